@@ -45,3 +45,18 @@ class Batch(dict):
     @staticmethod
     def cat(parts: list["Batch"]) -> "Batch":
         return Batch({k: torch.cat([p[k] for p in parts]) for k in parts[0]})
+
+
+from dataclasses import dataclass  # noqa: E402
+
+
+@dataclass
+class Trajectory:
+    """One sampled response, as the rollout engine returns it."""
+
+    prompt_index: int  # which prompt of the generate() request it answers
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float]  # the engine's log-prob of each response token
+    finish_reason: str  # "stop" (EOS or a stop token) or "length"
+    weight_version: int  # the weight-sync version of the weights that sampled it

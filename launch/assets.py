@@ -1,0 +1,113 @@
+"""Builds the quickstart's model and data locally: nothing is downloaded.
+
+- ``make_tiny_model``: a randomly initialised Qwen2 (or Llama) model in HuggingFace format
+  (config.json, model.safetensors) with a character-level tokenizer built by the ``tokenizers``
+  library and a one-line chat template.
+- ``make_addition_data``: "a+b=" prompts with one-digit answers in verl's schema (parquet).
+  The vocabulary is 16 tokens, so a random policy already answers ~1/16 of prompts right and a GRPO
+  group of 16 usually holds a success: the group-relative signal is not empty from step one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+
+DIGITS = [str(i) for i in range(10)]
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
+SYMBOLS = ["+", "="]
+CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def make_tokenizer(out_dir: str):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + DIGITS + SYMBOLS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per char
+    tok.decoder = decoders.Fuse()  # join tokens with no separator
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def make_tiny_model(out_dir: str, arch: str = "qwen2", hidden_size: int = 128, num_layers: int = 4,
+                    num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 256,
+                    tie_word_embeddings: bool = False, seed: int = 0, max_position_embeddings: int = 64) -> str:
+    """Writes the model and tokenizer to ``out_dir`` (idempotent: an existing model is kept)."""
+    if os.path.exists(os.path.join(out_dir, "model.safetensors")):
+        return out_dir
+    import torch
+    import transformers
+
+    os.makedirs(out_dir, exist_ok=True)
+    tokenizer = make_tokenizer(out_dir)
+    common = dict(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+                  num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                  num_key_value_heads=num_kv_heads, max_position_embeddings=max_position_embeddings,
+                  rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=tie_word_embeddings,
+                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id, torch_dtype="float32")
+    if arch == "qwen2":
+        config, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
+    elif arch == "llama":
+        config, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+    else:
+        raise ValueError(f"arch {arch!r}: expected qwen2 or llama")
+    torch.manual_seed(seed)
+    model = cls(config).to(torch.float32)
+    if arch == "qwen2":
+        # HF initialises biases to zero; random biases make the qkv-bias path observable in tests.
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0.0, 0.02)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    # vLLM reads the generation config; keep sampling defaults neutral.
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+                   "pad_token_id": tokenizer.pad_token_id}, f)
+    return out_dir
+
+
+def addition_rows(max_operand: int = 4, seed: int = 0):
+    rows = []
+    for a in range(max_operand + 1):
+        for b in range(max_operand + 1):
+            if a + b > 9:
+                continue
+            rows.append({
+                "data_source": "tiny_addition",
+                "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+                "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+                "extra_info": {"a": a, "b": b},
+            })
+    random.Random(seed).shuffle(rows)
+    return rows
+
+
+def make_addition_data(out_dir: str, max_operand: int = 4) -> str:
+    """Writes ``train.parquet`` (every a+b with a, b <= max_operand) into ``out_dir``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "train.parquet")
+    if not os.path.exists(path):
+        pq.write_table(pa.Table.from_pylist(addition_rows(max_operand)), path)
+    return path
+
+
+if __name__ == "__main__":
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-dir", default=".cache/tiny-qwen2")
+    p.add_argument("--data-dir", default=".cache/tiny-addition")
+    p.add_argument("--tie-word-embeddings", action="store_true")
+    a = p.parse_args()
+    print(make_tiny_model(a.model_dir, tie_word_embeddings=a.tie_word_embeddings))
+    print(make_addition_data(a.data_dir))

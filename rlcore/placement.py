@@ -1,0 +1,85 @@
+"""Resource pools: named Ray placement groups of one-GPU bundles, and the roles placed on them.
+
+On the cpu profile Ray is started with logical GPUs (``num_gpus=N``), so exactly this code places
+the roles on a laptop and on a cluster. Roles that name the same pool time-share its GPUs: each of
+their actors asks for ``1 / roles_on_pool`` of a bundle's GPU.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+# Every worker process gets one math thread: on a shared 2-core box two threads per process were
+# 5-100x slower whenever another process held a core (shared/notes/offline-models-and-data.md).
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+              "RAY_DEDUP_LOGS": "0"}
+
+
+def start_ray(device: str, total_gpus: int, address: str | None = None, num_cpus: int | None = None) -> None:
+    """Connects to ``address`` (a Slurm-started cluster) or starts a local Ray; on the cpu profile
+    the local cluster gets ``total_gpus`` logical GPUs."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    # Ray actors must import this repository's packages wherever they run.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(WORKER_ENV, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    kwargs = dict(runtime_env={"env_vars": env}, include_dashboard=False, log_to_driver=True)
+    if address:
+        ray.init(address=address, **kwargs)
+        return
+    ray.init(num_gpus=total_gpus if device == "cpu" else None, num_cpus=num_cpus or os.cpu_count(),
+             object_store_memory=512 * 1024 ** 2, **kwargs)
+
+
+@dataclass
+class RolePlacement:
+    """Where one role's actors go: bundle ``bundle_indices[i]`` of ``placement_group`` hosts actor i."""
+
+    pool: str
+    placement_group: object  # ray.util.placement_group.PlacementGroup
+    bundle_indices: list[int]
+    gpu_fraction: float  # num_gpus each actor asks for
+
+    def actor_options(self, i: int) -> dict:
+        """``.options(**...)`` for the role's i-th actor."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return dict(num_cpus=0, num_gpus=self.gpu_fraction,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=self.placement_group,
+                        placement_group_bundle_index=self.bundle_indices[i]))
+
+
+class ResourcePools:
+    """Creates one placement group per named pool and hands out role placements."""
+
+    def __init__(self, pools: dict[str, int], role_pools: dict[str, str], timeout_s: float = 120.0):
+        import ray
+        from ray.util.placement_group import placement_group
+
+        self._groups = {}
+        for name, gpus in pools.items():
+            if name not in role_pools.values():
+                continue  # a declared pool no role uses holds no GPUs
+            pg = placement_group([{"GPU": 1}] * gpus, strategy="PACK", name=f"rlx-pool-{name}")
+            ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+            if not ready:
+                raise RuntimeError(f"resources.pools.{name}: Ray could not reserve {gpus} GPUs within "
+                                   f"{timeout_s:.0f} s; cluster resources: {ray.cluster_resources()}")
+            self._groups[name] = (pg, gpus)
+        self._sharing = {p: sum(1 for q in role_pools.values() if q == p) for p in role_pools.values()}
+        self._role_pools = role_pools
+
+    def placement(self, role: str) -> RolePlacement:
+        pool = self._role_pools[role]
+        pg, gpus = self._groups[pool]
+        return RolePlacement(pool, pg, list(range(gpus)), 1.0 / self._sharing[pool])
+
+    def shutdown(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        for pg, _ in self._groups.values():
+            remove_placement_group(pg)
+        self._groups.clear()
