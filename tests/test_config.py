@@ -1,0 +1,381 @@
+"""load_job and validate: a good spec resolves to its layout; every bad input is a ConfigError whose
+message names the key (and the file) and what was expected."""
+import json
+
+import pytest
+import torch
+
+from rlcore.config import JobConfig
+from rlcore.job import ConfigError, JobLayout, RoleLayout, RolloutLayout, load_job, validate
+
+# A small Llama-shaped model: head_dim 64 (supported by the vLLM CPU kernel), 2 KV groups.
+MODEL_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "hidden_size": 256,
+    "vocab_size": 128,
+    "max_position_embeddings": 1024,
+}
+
+
+def make_model(folder, **changes):
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {**MODEL_CONFIG, **changes}
+    config = {k: v for k, v in config.items() if v is not None}  # a None change removes the key
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "model.safetensors").write_bytes(b"")
+    return folder
+
+
+@pytest.fixture
+def files(tmp_path):
+    """A valid model folder and data files; validate only checks that the files exist."""
+    model = make_model(tmp_path / "model")
+    train = tmp_path / "train.jsonl"
+    train.write_text("{}\n")
+    val = tmp_path / "val.parquet"
+    val.write_bytes(b"")
+    return {"model": model, "train": train, "val": val, "tmp": tmp_path}
+
+
+def base_overrides(files):
+    # Default pools: actor 2 GPUs, rollout 1. Batch: 8 prompts x 8 samples = 64 = 8 x (dp 2 x mbs 4).
+    return [f"model.path={files['model']}", f"data.train_files=[{files['train']}]",
+            f"data.val_files=[{files['val']}]", "resources.device=cpu"]
+
+
+def job(files, *overrides) -> JobConfig:
+    return load_job(None, base_overrides(files) + list(overrides))
+
+
+def validate_error(files, *overrides) -> str:
+    cfg = job(files, *overrides)
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    return str(info.value)
+
+
+def load_error(path, *overrides) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_job(str(path) if path is not None else None, list(overrides))
+    return str(info.value)
+
+
+def assert_in(message: str, *parts: str) -> None:
+    for part in parts:
+        assert part in message, f"{part!r} not in {message!r}"
+
+
+# ------------------------------------------------------------------------------------- load_job
+def test_load_job_merges_file_then_overrides_into_a_real_jobconfig(files):
+    spec = files["tmp"] / "job.yaml"
+    spec.write_text(f"model:\n  path: {files['model']}\nactor:\n  tp: 2\n  micro_batch_size: 2\n"
+                    "resources:\n  pools: {{actor: 4, rollout: 1}}\n".replace("{{", "{").replace("}}", "}"))
+    cfg = load_job(str(spec), ["actor.tp=1", "data.train_files=[a.jsonl,b.parquet]"])
+    assert isinstance(cfg, JobConfig)
+    assert cfg.model.path == str(files["model"])
+    assert cfg.actor.tp == 1  # the override wins over the file
+    assert cfg.actor.micro_batch_size == 2  # from the file
+    assert cfg.actor.pp == 1  # the schema default
+    assert cfg.resources.pools == {"actor": 4, "rollout": 1}
+    assert cfg.data.train_files == ["a.jsonl", "b.parquet"]
+
+
+def test_missing_job_file(tmp_path):
+    assert_in(load_error(tmp_path / "nope.yaml"), "job file", "nope.yaml", "not found")
+
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path):
+    spec = tmp_path / "bad.yaml"
+    spec.write_text("model:\n  path: /m\nactor:\n  tp: 2\n   pp: 3\n")
+    assert_in(load_error(spec), "bad.yaml", "not valid YAML", "line 5")
+
+
+def test_yaml_that_is_not_a_mapping(tmp_path):
+    spec = tmp_path / "list.yaml"
+    spec.write_text("- a\n- b\n")
+    assert_in(load_error(spec), "list.yaml", "must be a mapping", "got a list")
+
+
+def test_unknown_key_in_file_names_path_line_and_suggestion(tmp_path):
+    spec = tmp_path / "job.yaml"
+    spec.write_text("model:\n  path: /m\nactor:\n  optim:\n    lrr: 0.1\n")
+    assert_in(load_error(spec), "job.yaml", "line 5", "unknown key actor.optim.lrr", "Did you mean", "'lr'")
+
+
+def test_unknown_key_in_override_names_the_override_and_suggestion():
+    assert_in(load_error(None, "model.path=/m", "actor.tpp=2"),
+              "override 'actor.tpp=2'", "unknown key actor.tpp", "Did you mean", "'tp'")
+    assert_in(load_error(None, "modle.path=/m"), "unknown key modle", "'model'")
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("actor.tp=abc", "actor.tp='abc' has the wrong type, expected an integer"),
+    ("rollout.n=2.5", "rollout.n=2.5 has the wrong type, expected an integer"),
+    ("actor.kl_coeff=x", "actor.kl_coeff='x' has the wrong type, expected a number"),
+    ("data.shuffle=maybe", "data.shuffle='maybe' has the wrong type, expected a boolean"),
+    ("data.train_files=a.jsonl", "data.train_files='a.jsonl' has the wrong type, expected a list of strings"),
+    ("resources.pools.actor=two", "resources.pools.actor='two' has the wrong type, expected an integer"),
+    ("actor=3", "actor=3 has the wrong type, expected a mapping (section ActorConfig)"),
+])
+def test_wrong_type_in_override_names_key_value_and_expected_type(override, expected):
+    assert_in(load_error(None, "model.path=/m", override), f"override {override!r}", expected)
+
+
+def test_wrong_type_in_file_names_file_and_line(tmp_path):
+    spec = tmp_path / "job.yaml"
+    spec.write_text("model:\n  path: /m\nrollout:\n  n: many\n")
+    assert_in(load_error(spec), "job.yaml (line 4)", "rollout.n='many'", "expected an integer")
+
+
+def test_override_without_equals_sign():
+    assert_in(load_error(None, "model.path=/m", "actor.tp"), "override 'actor.tp'", "key.sub=value")
+
+
+def test_override_with_invalid_yaml_value():
+    assert_in(load_error(None, "model.path=/m", "actor.tp=[1"), "override 'actor.tp=[1'", "not valid YAML")
+
+
+def test_missing_mandatory_model_path():
+    assert_in(load_error(None, "actor.tp=1"), "model.path is required but not set")
+
+
+# ------------------------------------------------------------------------------------- validate
+def test_valid_spec_resolves_the_layout(files):
+    layout = validate(job(files))
+    assert layout == JobLayout(
+        actor=RoleLayout(pool="actor", gpus=2, tp=1, pp=1, dp=2),
+        reference=RoleLayout(pool="actor", gpus=2, tp=1, pp=1, dp=2),  # defaults to the actor's
+        rollout=RolloutLayout(pool="rollout", gpus=1, engines=1, tp=1),
+        device="cpu", total_gpus=3, dtype="float32")
+
+
+def test_reference_only_when_kl_coeff_positive(files):
+    # With no KL term the reference settings are not used, so they are not checked either.
+    layout = validate(job(files, "actor.kl_coeff=0", "reference.pool=nowhere"))
+    assert layout.reference is None
+
+
+def test_reference_layout_overrides(files):
+    layout = validate(job(files, "resources.pools={actor: 2, ref: 4, rollout: 1}", "reference.pool=ref",
+                          "reference.tp=2", "reference.micro_batch_size=2"))
+    assert layout.reference == RoleLayout(pool="ref", gpus=4, tp=2, pp=1, dp=2)
+
+
+def test_device_auto_resolves_from_torch(files):
+    layout = validate(job(files, "resources.device=auto"))
+    assert layout.device == ("gpu" if torch.cuda.is_available() else "cpu")
+
+
+def test_gpu_profile_allows_rollout_tp_and_any_head_dim(files):
+    make_model(files["model"], hidden_size=4 * 48)  # head_dim 48: no CPU kernel for it
+    layout = validate(job(files, "resources.device=gpu", "resources.pools={actor: 2, rollout: 4}",
+                          "rollout.tp=2", "rollout.engines=2"))
+    assert layout.rollout == RolloutLayout(pool="rollout", gpus=4, engines=2, tp=2)
+    assert layout.device == "gpu"
+    assert layout.dtype == "bfloat16"  # auto on the gpu profile
+
+
+# model folder
+def test_model_path_not_a_folder(files):
+    assert_in(validate_error(files, f"model.path={files['tmp'] / 'missing'}"), "model.path=", "is not a folder")
+
+
+def test_model_without_config_json(files):
+    (files["model"] / "config.json").unlink()
+    assert_in(validate_error(files), "model.path=", "has no config.json")
+
+
+def test_model_without_safetensors(files):
+    (files["model"] / "model.safetensors").unlink()
+    assert_in(validate_error(files), "model.path=", "no *.safetensors")
+
+
+def test_model_config_not_json(files):
+    (files["model"] / "config.json").write_text("{not json")
+    assert_in(validate_error(files), "config.json", "not valid JSON")
+
+
+def test_model_config_missing_a_key(files):
+    make_model(files["model"], num_hidden_layers=None)
+    assert_in(validate_error(files), "config.json", "'num_hidden_layers'")
+
+
+def test_model_hidden_size_not_a_multiple_of_heads(files):
+    make_model(files["model"], hidden_size=258)
+    assert_in(validate_error(files), "hidden_size=258", "num_attention_heads=4")
+
+
+def test_model_dtype(files):
+    assert_in(validate_error(files, "model.dtype=float16"), "model.dtype='float16'", "auto, float32, bfloat16")
+
+
+def test_cpu_profile_runs_in_float32_only(files):
+    assert_in(validate_error(files, "model.dtype=bfloat16"), "model.dtype='bfloat16'", "float32 only")
+    assert validate(job(files, "model.dtype=float32")).dtype == "float32"
+
+
+def test_resources_device(files):
+    assert_in(validate_error(files, "resources.device=tpu"), "resources.device='tpu'", "auto, cpu, gpu")
+
+
+# pools and layouts
+def test_role_pool_must_exist(files):
+    assert_in(validate_error(files, "actor.pool=big"), "actor.pool='big'", "not a pool", "actor, rollout")
+    assert_in(validate_error(files, "reference.pool=ref"), "reference.pool='ref'", "not a pool")
+    assert_in(validate_error(files, "rollout.pool=gen"), "rollout.pool='gen'", "not a pool")
+
+
+def test_pool_size_must_be_at_least_one(files):
+    assert_in(validate_error(files, "resources.pools.actor=0"), "resources.pools.actor=0", ">= 1")
+
+
+def test_actor_and_rollout_on_one_pool_is_not_supported(files):
+    assert_in(validate_error(files, "actor.pool=rollout"),
+              "colocating actor and rollout on one pool is not supported yet")
+
+
+def test_actor_tp_pp_must_divide_pool(files):
+    assert_in(validate_error(files, "resources.pools.actor=3", "actor.tp=2"),
+              "actor.tp*actor.pp=2*1=2", "does not divide the 3 GPUs", "resources.pools.actor=3")
+
+
+def test_actor_tp_must_divide_attention_heads(files):
+    message = validate_error(files, "resources.pools.actor=3", "actor.tp=3", "data.batch_size=3",
+                             "rollout.n=4")
+    assert_in(message, "actor.tp=3 does not divide the model's 4 attention heads",
+              "config.json: num_attention_heads")
+
+
+def test_actor_tp_must_divide_kv_heads(files):
+    make_model(files["model"], num_attention_heads=8, hidden_size=512, num_key_value_heads=2)
+    assert_in(validate_error(files, "resources.pools.actor=4", "actor.tp=4"),
+              "actor.tp=4 does not divide the model's 2 key-value heads", "num_key_value_heads")
+
+
+def test_actor_tp_must_divide_vocab(files):
+    make_model(files["model"], vocab_size=129)
+    assert_in(validate_error(files, "actor.tp=2"),
+              "actor.tp=2 does not divide the model's vocabulary of 129 tokens", "vocab_size")
+
+
+def test_actor_pp_must_divide_layers(files):
+    assert_in(validate_error(files, "resources.pools.actor=4", "actor.pp=4"),
+              "actor.pp=4 does not divide the model's 2 layers", "num_hidden_layers")
+
+
+def test_reference_checks_name_reference_keys(files):
+    message = validate_error(files, "resources.pools={actor: 2, ref: 3, rollout: 1}", "reference.pool=ref",
+                             "reference.tp=3")
+    assert_in(message, "reference.tp=3 does not divide the model's 4 attention heads")
+
+
+def test_reference_batch_split_says_the_value_is_the_actors_default(files):
+    # ref pool: dp 3 x the actor's micro_batch_size 4 = 12 does not divide 64 sequences.
+    message = validate_error(files, "resources.pools={actor: 2, ref: 3, rollout: 1}", "reference.pool=ref")
+    assert_in(message, "for the reference", "dp=3", "reference.micro_batch_size (the actor's, by default)=4")
+
+
+def test_batch_must_split_into_equal_micro_batches(files):
+    message = validate_error(files, "data.batch_size=3", "rollout.n=2")
+    assert_in(message, "data.batch_size*rollout.n=3*2=6", "for the actor", "dp=2", "actor.micro_batch_size=4")
+
+
+def test_rollout_engines_times_tp_must_equal_pool(files):
+    assert_in(validate_error(files, "rollout.engines=2"),
+              "rollout.engines*rollout.tp=2*1=2 does not equal the 1 GPUs of pool 'rollout'")
+
+
+def test_rollout_tp_on_cpu_is_not_supported(files):
+    assert_in(validate_error(files, "resources.pools.rollout=2", "rollout.tp=2"),
+              "rollout.tp=2", "vLLM tensor parallelism on the CPU profile is not supported yet")
+
+
+def test_rollout_tp_must_divide_heads_on_gpu(files):
+    assert_in(validate_error(files, "resources.device=gpu", "resources.pools.rollout=3", "rollout.tp=3"),
+              "rollout.tp=3 does not divide the model's 4 attention heads")
+
+
+def test_cpu_head_dim_must_have_a_vllm_kernel(files):
+    make_model(files["model"], hidden_size=4 * 48)
+    assert_in(validate_error(files), "head_dim=48", "vLLM CPU attention kernel", "64")
+
+
+def test_explicit_head_dim_wins_over_hidden_size(files):
+    make_model(files["model"], head_dim=40)
+    assert_in(validate_error(files), "head_dim=40")
+
+
+# data
+def test_train_files_must_be_given(files):
+    assert_in(validate_error(files, "data.train_files=[]"), "data.train_files is empty")
+
+
+def test_train_file_must_exist(files):
+    assert_in(validate_error(files, f"data.train_files=[{files['tmp'] / 'gone.parquet'}]"),
+              "data.train_files[0]=", "gone.parquet not found")
+
+
+def test_train_file_suffix(files):
+    csv = files["tmp"] / "train.csv"
+    csv.write_text("")
+    assert_in(validate_error(files, f"data.train_files=[{csv}]"), "data.train_files[0]=",
+              "must end in .parquet or .jsonl")
+
+
+def test_val_files_are_checked_too(files):
+    assert_in(validate_error(files, f"data.val_files=[{files['val']},{files['tmp'] / 'v2.jsonl'}]"),
+              "data.val_files[1]=", "v2.jsonl not found")
+
+
+def test_prompt_plus_response_must_fit_the_context(files):
+    message = validate_error(files, "data.max_prompt_length=1000", "rollout.max_response_length=100")
+    assert_in(message, "data.max_prompt_length+rollout.max_response_length=1000+100=1100",
+              "max_position_embeddings=1024")
+
+
+# algorithm and names
+def test_grpo_needs_groups_of_two(files):
+    assert_in(validate_error(files, "rollout.n=1"), "rollout.n=1", "adv_estimator=grpo", "at least 2")
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("algorithm.adv_estimator=gae2", "algorithm.adv_estimator='gae2' is not one of: grpo"),
+    ("actor.policy_loss=dpo", "actor.policy_loss='dpo' is not one of: vanilla"),
+    ("actor.kl_estimator=k4", "actor.kl_estimator='k4' is not one of: k1, k2, k3"),
+    ("actor.loss_agg_mode=seq-mean", "actor.loss_agg_mode='seq-mean' is not one of: token-mean"),
+])
+def test_names_list_the_valid_choices(files, override, expected):
+    assert_in(validate_error(files, override), expected)
+
+
+def test_reward_function_must_resolve(files):
+    assert_in(validate_error(files, "reward.function=no_such_module_xyz:score"),
+              "reward.function='no_such_module_xyz:score'", "cannot import module")
+
+
+@pytest.mark.parametrize("override, key", [
+    ("trainer.total_steps=0", "trainer.total_steps=0"),
+    ("data.batch_size=0", "data.batch_size=0"),
+    ("rollout.n=0", "rollout.n=0"),
+    ("actor.micro_batch_size=0", "actor.micro_batch_size=0"),
+    ("reference.micro_batch_size=-1", "reference.micro_batch_size=-1"),
+    ("rollout.max_response_length=0", "rollout.max_response_length=0"),
+    ("actor.optim.lr=0", "actor.optim.lr=0.0"),
+    ("rollout.temperature=0", "rollout.temperature=0.0"),
+    ("rollout.bucket_mb=0", "rollout.bucket_mb=0"),
+    ("actor.tp=0", "actor.tp=0"),
+])
+def test_values_that_must_be_positive(files, override, key):
+    assert_in(validate_error(files, override), key, "must be positive")
+
+
+@pytest.mark.parametrize("top_p", ["0", "1.5"])
+def test_top_p_range(files, top_p):
+    assert_in(validate_error(files, f"rollout.top_p={top_p}"), "rollout.top_p=", "must be in (0, 1]")
+
+
+def test_negative_kl_coeff(files):
+    assert_in(validate_error(files, "actor.kl_coeff=-0.1"), "actor.kl_coeff=-0.1", "must not be negative")
