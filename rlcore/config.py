@@ -109,8 +109,7 @@ class TrainerConfig:
     seed: int = 1
     run_dir: str = "runs/default"
     tensorboard: bool = True
-    val_every: int = 0  # 0: never
-    check_logprob_diff: float = 0.0  # > 0: stop when rollout/logprob_diff_max exceeds it
+    val_every: int = 0  # greedy validation on data.val_files every N steps (and before step 1); 0: never
 
 
 @dataclass

@@ -130,3 +130,26 @@ class WeightSyncGroup:
         t = torch.zeros(1, device=self.device)
         opts = dist.AllreduceOptions()
         self._pg.allreduce([t], opts).wait()
+
+
+# ----------------------------------------------------------------------- orchestration (controller)
+def connect_weight_sync(senders, receivers, num_receivers: int, bucket_bytes: int, wire_dtype: str) -> None:
+    """Builds one weight-sync group per actor PP stage: that stage's sender (rank 0) plus every rollout
+    engine. ``senders`` is a MegatronGroup, ``receivers`` a RolloutPool (duck-typed: rlcore never
+    imports them). Both sides block in group creation until all members join, hence one ray.get."""
+    import ray
+
+    plans = senders.weight_sync_plans(bucket_bytes, wire_dtype)
+    endpoints = senders.weight_sync_endpoints()
+    world_sizes = [1 + num_receivers] * len(endpoints)
+    ray.get(senders.init_weight_sync(world_sizes) + receivers.init_weight_sync(endpoints, world_sizes, plans))
+
+
+def sync_weights(senders, receivers, version: int) -> list:
+    """Sends the actor's current weights to every engine; returns the receivers' reports."""
+    import ray
+
+    refs_out = senders.send_weights()
+    refs_in = receivers.receive_weights(version)
+    ray.get(refs_out)
+    return ray.get(refs_in)
