@@ -1,0 +1,145 @@
+"""Lets megatron-core 0.16.1 run on a CPU-only torch (the cpu profile: gloo, local layer spec, fp32).
+
+megatron-core assumes CUDA in a handful of places that a CPU run reaches. ``apply_cpu_compat()``
+patches exactly those, as plain wrappers of torch functions (a TorchFunctionMode would not do: modes
+are thread-local and inactive inside ``autograd.Function.backward``, where megatron also allocates).
+The device="cuda" factories are replaced only inside the megatron modules that call them.
+Every patch was shown necessary by turning it off (shared/notes/megatron-core-on-cpu.md); the sites
+are line numbers of megatron-core 0.16.1, which setup.py pins.
+
+It is a no-op when CUDA is available: the gpu profile runs megatron-core unpatched.
+"""
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+
+_CPU = torch.device("cpu")
+_applied = False
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    return False
+
+
+def _cpu_device_factory(fn):
+    """``fn(..., device="cuda")`` -> ``fn(..., device="cpu")``; any other call is unchanged."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = _CPU
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+class _TorchWithCpuFactories(types.ModuleType):
+    """``torch`` as a few megatron modules see it: zeros/ones/tensor place device="cuda" on the CPU;
+    every other attribute is torch's own."""
+
+    def __init__(self):
+        super().__init__("torch")
+        for name in ("zeros", "ones", "tensor"):
+            setattr(self, name, _cpu_device_factory(getattr(torch, name)))
+
+    def __getattr__(self, name):  # only called for attributes not set above
+        return getattr(torch, name)
+
+
+class _CudaAliasTypeName(str):
+    """What ``Tensor.type()`` answers on CPU: 'torch.FloatTensor' that also equals
+    'torch.cuda.FloatTensor', so megatron's type checks accept CPU tensors of the same dtype."""
+
+    def __eq__(self, other):
+        if isinstance(other, str) and other.startswith("torch.cuda."):
+            other = "torch." + other[len("torch.cuda."):]
+        return str.__eq__(self, other)
+
+    def __ne__(self, other):
+        return not self.__eq__(other)
+
+    __hash__ = str.__hash__
+
+
+def apply_cpu_compat() -> None:
+    """Patches torch for megatron-core on a CPU-only build; idempotent, and a no-op with CUDA."""
+    global _applied
+    if _applied or torch.cuda.is_available():
+        return
+
+    # 1. current_device() must name the CPU: megatron allocates on it in
+    #    distributed/param_and_grad_buffer.py:783,800,806 (DDP buffers),
+    #    models/common/embeddings/rotary_pos_embedding.py:162 (inv_freq),
+    #    utils.py:631 (global memory buffer, from transformer/dot_product_attention.py:189),
+    #    pipeline_parallel/p2p_communication.py:190-202,313,321 (PP receive buffers).
+    torch.cuda.current_device = lambda: _CPU
+
+    # 2. synchronize() must be a no-op: pipeline_parallel/p2p_communication.py:242,398 call it after
+    #    every PP send/receive.
+    torch.cuda.synchronize = lambda device=None: None
+
+    # 3. Literal device="cuda" in tensor factories must land on the CPU. Only the megatron modules
+    #    that do it see CPU-placing factories (a stand-in for their global `torch`): replacing
+    #    torch.tensor itself broke other libraries in the process (torch's `with torch.device(...)`
+    #    context keys on the identity of torch.tensor; transformers then built garbage RoPE buffers).
+    #    zeros: pipeline_parallel/schedules.py:596,983,2138 (total_num_tokens, every schedule),
+    #      distributed/param_and_grad_buffer.py:768, optimizer/clip_grads.py:103,174;
+    #    ones: transformer/utils.py:35 (the default causal mask of the local attention);
+    #    tensor: optimizer/optimizer.py:473,481,485,907, optimizer/clip_grads.py:90, utils.py:1207.
+    import importlib
+
+    torch_with_cpu_factories = _TorchWithCpuFactories()
+    for module in ("megatron.core.pipeline_parallel.schedules", "megatron.core.distributed.param_and_grad_buffer",
+                   "megatron.core.optimizer.clip_grads", "megatron.core.transformer.utils",
+                   "megatron.core.optimizer.optimizer", "megatron.core.utils"):
+        mod = importlib.import_module(module)
+        if mod.torch is not torch:
+            raise RuntimeError(f"{module}.torch is not the torch module: the cpu compat layer targets "
+                               f"megatron-core 0.16.1")
+        mod.torch = torch_with_cpu_factories
+
+    # 4. Tensor.type() is compared with 'torch.cuda.FloatTensor': optimizer/clip_grads.py:167 (an
+    #    assert when clipping gradients), optimizer/distrib_optimizer.py:361,420,582 (a TypeError at
+    #    :431 for any parameter that is not a CUDA tensor). Only the no-argument form is changed.
+    original_type = torch.Tensor.type
+
+    @functools.wraps(original_type)
+    def tensor_type(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs:
+            return _CudaAliasTypeName(original_type(self))
+        return original_type(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = tensor_type
+
+    # 5. The RNG tracker reads torch.cuda.get_rng_state (tensor_parallel/random.py:235,250) and its
+    #    fork() runs in every attention forward. Every weight comes from the HF checkpoint and dropout
+    #    is 0, so no random numbers are drawn: megatron's own inference tracker (a no-op fork) is exact.
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+    # 6. With tied embeddings and PP > 1 the first and last stages align their embedding copies with
+    #    `weight.data = weight.data.cuda()` (models/common/language_module/language_module.py:244).
+    #    Tensor.cuda is the identity only while that method runs.
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    setup_embeddings = LanguageModule.setup_embeddings_and_output_layer
+
+    @functools.wraps(setup_embeddings)
+    def setup_embeddings_on_cpu(self):
+        tensor_cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda tensor, *args, **kwargs: tensor
+        try:
+            return setup_embeddings(self)
+        finally:
+            torch.Tensor.cuda = tensor_cuda
+
+    LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_on_cpu
+    _applied = True

@@ -1,0 +1,135 @@
+"""The driver's handle on one Megatron role: TP x PP x DP ranks, each a ``MegatronWorker`` in a Ray actor.
+
+Rank order is megatron's default (tp-cp-ep-dp-pp: TP fastest, then DP, then PP); the group does not
+rely on it, it asks each rank for its coordinates after ``init``.
+"""
+from __future__ import annotations
+
+import torch
+
+from rlcore.batch import Batch
+from rlcore.config import OptimConfig
+from rlcore.placement import RolePlacement
+
+from .worker import MegatronWorker
+
+
+class MegatronGroup:
+    def __init__(self, role: str, model_path: str, tp: int, pp: int, dp: int, placement: RolePlacement,
+                 micro_batch_size: int, profile: str, dtype: str, optim: OptimConfig | None, seed: int):
+        import ray
+
+        if min(tp, pp, dp) < 1:
+            raise ValueError(f"{role}: TP, PP and DP must be >= 1, got TP={tp} PP={pp} DP={dp}")
+        world = tp * pp * dp
+        if len(placement.bundle_indices) < world:
+            raise ValueError(f"{role}: TP x PP x DP = {world} ranks, but pool {placement.pool!r} has "
+                             f"{len(placement.bundle_indices)} GPUs")
+        self.role, self.tp, self.pp, self.dp = role, tp, pp, dp
+        worker_cls = ray.remote(MegatronWorker)
+        self.workers = [
+            worker_cls.options(**placement.actor_options(i)).remote(
+                role, model_path, tp, pp, dp, i, micro_batch_size, profile, dtype, optim, seed)
+            for i in range(world)
+        ]
+        try:
+            master_addr, master_port = ray.get(self.workers[0].node_ip_and_free_port.remote())
+            # initialize_model_parallel is collective: every rank must be inside init at once.
+            coords = ray.get([w.init.remote(master_addr, master_port) for w in self.workers])
+        except BaseException:
+            self.shutdown()
+            raise
+        # Where results come from: the last PP stage's TP rank 0 of each DP replica; and each PP
+        # stage's weight sender (DP rank 0, TP rank 0).
+        self._reporter = {c["dp_rank"]: i for i, c in enumerate(coords)
+                          if c["pp_rank"] == pp - 1 and c["tp_rank"] == 0}
+        self._senders = [next(i for i, c in enumerate(coords)
+                              if c["pp_rank"] == s and c["dp_rank"] == 0 and c["tp_rank"] == 0)
+                         for s in range(pp)]
+        self._dp_rank = [c["dp_rank"] for c in coords]
+        self._weight_sync_ready = False
+
+    # ------------------------------------------------------------------------------------- compute
+    def _run_sharded(self, method: str, batch: Batch, *args) -> list:
+        """Calls ``method(shard, *args)`` on every rank with its DP shard (one ray.put per shard);
+        returns the results of the DP replicas' reporting ranks, in DP order."""
+        import ray
+
+        shards = [ray.put(batch.shard(d, self.dp)) for d in range(self.dp)]
+        results = ray.get([getattr(w, method).remote(shards[d], *args)
+                           for w, d in zip(self.workers, self._dp_rank)])
+        return [results[self._reporter[d]] for d in range(self.dp)]
+
+    def compute_logprobs_and_entropy(self, batch: Batch, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token-aligned [B, S] log-probs and entropies of ``batch["input_ids"]`` (forward only)."""
+        parts = self._run_sharded("compute_logprobs", batch.select("input_ids"), temperature)
+        return torch.cat([p["logprobs"] for p in parts]), torch.cat([p["entropy"] for p in parts])
+
+    def compute_logprobs(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+        """Token-aligned [B, S] log-probs of ``batch["input_ids"]`` (position 0 holds 0)."""
+        return self.compute_logprobs_and_entropy(batch, temperature)[0]
+
+    def update(self, batch: Batch, loss_cfg, temperature: float = 1.0) -> dict[str, float]:
+        """One optimizer step on ``batch`` (all of it: the group shards it over DP) with
+        ``rlcore.algos.actor_loss``. Returns the metrics summed over micro-batches and DP ranks (the
+        global token-means), ``actor/loss`` and ``actor/grad_norm``."""
+        global_tokens = float(batch["response_mask"].sum())
+        if global_tokens <= 0:
+            raise ValueError(f"{self.role} update: the batch has no response tokens (response_mask is all 0)")
+        parts = self._run_sharded("update", batch, loss_cfg, global_tokens, temperature)
+        metrics = {k: sum(p["sums"][k] for p in parts) for k in parts[0]["sums"]}
+        metrics["actor/grad_norm"] = parts[0]["grad_norm"]  # the global norm: the same on every rank
+        return metrics
+
+    # ------------------------------------------------------------------------------ full weights
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """All weights as full HF-named tensors (CPU, the model's dtype), gathered over TP and PP."""
+        import ray
+
+        results = ray.get([w.hf_state_dict.remote() for w in self.workers])
+        out = {}
+        for s in self._senders:
+            out.update(results[s])
+        return out
+
+    # ------------------------------------------------------------------------------- weight sync
+    def weight_sync_plans(self, bucket_bytes: int, wire_dtype: str) -> list[list]:
+        """One bucket plan (list of rlcore.weight_sync.Bucket) per PP stage, in stage order; each
+        stage's sender keeps its plan for ``send_weights``."""
+        import ray
+
+        plans = ray.get([self.workers[s].weight_sync_plan.remote(bucket_bytes, wire_dtype) for s in self._senders])
+        self._weight_sync_ready = False  # a new plan needs receivers that know it: init again
+        return plans
+
+    def weight_sync_endpoints(self) -> list[tuple[str, int]]:
+        """(IP, port) of each stage sender's weight-sync store, in stage order."""
+        import ray
+
+        return ray.get([self.workers[s].weight_sync_endpoint.remote() for s in self._senders])
+
+    def init_weight_sync(self, world_sizes: list[int]) -> list:
+        """Starts each stage's weight-sync group (the sender is rank 0 of ``world_sizes[s]``). The calls
+        block until the receivers join as ranks 1..: ray.get the returned refs together with them."""
+        if len(world_sizes) != self.pp:
+            raise ValueError(f"{self.role}: {len(world_sizes)} world sizes for {self.pp} PP stages")
+        refs = [self.workers[s].init_weight_sync.remote(n) for s, n in zip(self._senders, world_sizes)]
+        self._weight_sync_ready = True
+        return refs
+
+    def send_weights(self) -> list:
+        """Broadcasts every stage's buckets over its weight-sync group (stages in parallel; every rank
+        takes part in its TP gathers). Returns the refs to ray.get together with the receivers."""
+        # Checked here, not on the senders: a sender that refused would leave its TP peers waiting
+        # in their all-gathers.
+        if not self._weight_sync_ready:
+            raise RuntimeError(f"{self.role}: weight sync is not set up; call weight_sync_plans(), "
+                               f"weight_sync_endpoints() and init_weight_sync() first")
+        return [w.send_weights.remote() for w in self.workers]
+
+    def shutdown(self) -> None:
+        import ray
+
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []

@@ -1,0 +1,344 @@
+"""One rank of a Megatron role (actor, reference): a plain class that ``group.MegatronGroup`` hosts
+in a Ray actor.
+
+The rank joins a gloo (cpu profile) or NCCL (gpu profile) world of TP x PP x DP ranks, builds its PP
+stage of the GPTModel from the HF checkpoint and, for a trainable role, wraps it in megatron's
+DistributedDataParallel with megatron's optimizer. Forward and backward always go through
+megatron's ``get_forward_backward_func`` schedules, so PP micro-batching is megatron's own.
+"""
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import socket
+import warnings
+from functools import partial
+
+import torch
+
+from rlcore.batch import Batch
+from rlcore.config import OptimConfig
+
+TRAINABLE_ROLES = ("actor",)
+FORWARD_ONLY_ROLES = ("reference",)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+class MegatronWorker:
+    """Construction is cheap (Ray creates the actor); ``init`` joins the world and builds the model and
+    must run on every rank of the group at once."""
+
+    def __init__(self, role: str, model_path: str, tp: int, pp: int, dp: int, rank: int,
+                 micro_batch_size: int, profile: str, dtype: str, optim: OptimConfig | None, seed: int):
+        if role not in TRAINABLE_ROLES + FORWARD_ONLY_ROLES:
+            raise ValueError(f"role {role!r}: expected one of {TRAINABLE_ROLES + FORWARD_ONLY_ROLES}")
+        if role in TRAINABLE_ROLES and optim is None:
+            raise ValueError(f"role {role!r} trains and needs an OptimConfig")
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        # One math thread per worker process: on a shared CPU box more threads per process made
+        # every process slower (shared/notes/offline-models-and-data.md).
+        torch.set_num_threads(1)
+        self.role, self.model_path, self.profile, self.dtype = role, model_path, profile, dtype
+        self.tp, self.pp, self.dp, self.rank = tp, pp, dp, rank
+        self.world_size = tp * pp * dp
+        self.micro_batch_size, self.optim_cfg, self.seed = micro_batch_size, optim, seed
+        self.trainable = role in TRAINABLE_ROLES
+        self._sync_plan = self._sync_plan_key = None
+        self._sync_group = None
+        self._sync_endpoint = None
+
+    # ------------------------------------------------------------------------------------ set-up
+    @staticmethod
+    def node_ip_and_free_port() -> tuple[str, int]:
+        return node_ip(), free_port()
+
+    def init(self, master_addr: str, master_port: int) -> dict:
+        """Joins the world, initialises Megatron's parallel state, builds and loads the model (and the
+        optimizer). Returns this rank's coordinates."""
+        if self.profile == "cpu":
+            if torch.cuda.is_available():
+                raise RuntimeError("the cpu profile needs a CPU-only torch process, but CUDA is available "
+                                   "here; use the gpu profile on GPU machines")
+            # megatron-core warns at import that TransformerEngine and apex are missing: on the cpu
+            # profile that is the intended set-up, and the warnings would drown the worker logs.
+            warnings.filterwarnings("ignore", message=r".*(Transformer Engine and Apex|Apex) (are|is) not installed")
+            from .cpu_compat import apply_cpu_compat
+
+            apply_cpu_compat()
+            backend, self.device = "gloo", torch.device("cpu")
+        elif self.profile == "gpu":
+            if not torch.cuda.is_available():
+                raise RuntimeError("the gpu profile needs CUDA, but torch.cuda.is_available() is False")
+            torch.cuda.set_device(0)  # Ray exposes this actor's GPU as device 0 (CUDA_VISIBLE_DEVICES)
+            backend, self.device = "nccl", torch.device("cuda", 0)
+        else:
+            raise ValueError(f"profile {self.profile!r}: expected cpu or gpu")
+
+        import torch.distributed as dist
+        from megatron.core import parallel_state, tensor_parallel
+
+        from .hf_weights import load_hf_weights
+        from .model import build_gpt_model, read_hf_config, transformer_config
+
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
+                          WORLD_SIZE=str(self.world_size))
+        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size,
+                                timeout=datetime.timedelta(minutes=10))
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp,
+                                                 pipeline_model_parallel_size=self.pp)
+        torch.manual_seed(self.seed)
+        if self.profile == "gpu":
+            tensor_parallel.model_parallel_cuda_manual_seed(self.seed)
+
+        self.hf = read_hf_config(self.model_path)
+        self.config = transformer_config(self.hf, self.profile, self.dtype, self.tp, self.pp)
+        self.model = build_gpt_model(self.hf, self.config, self.profile)  # unwrapped: names map to HF
+        load_hf_weights(self.model, self.hf, self.model_path)
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.is_last_stage = parallel_state.is_pipeline_last_stage()
+
+        if self.trainable:
+            self._build_trainer()
+            self.forward_model = self.ddp_model
+        else:
+            self.model.eval()
+            self.forward_model = self.model
+        return self.coords()
+
+    def _build_trainer(self) -> None:
+        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                               finalize_model_grads)
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        o = self.optim_cfg
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=o.use_distributed_optimizer)
+        self.ddp_model = DistributedDataParallel(self.config, ddp_config, self.model)
+        opt_config = OptimizerConfig(
+            optimizer="adam", lr=o.lr, min_lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+            adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
+            bf16=self.config.bf16, params_dtype=self.config.params_dtype,
+            use_distributed_optimizer=o.use_distributed_optimizer)
+        self.optimizer = get_megatron_optimizer(opt_config, [self.ddp_model])
+        # Constant lr and weight decay; the scheduler is what applies megatron's per-group wd_mult
+        # (no weight decay on biases and norms).
+        self.lr_scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=o.lr, max_lr=o.lr, min_lr=o.lr, lr_warmup_steps=0, lr_decay_steps=1,
+            lr_decay_style="constant", start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=0,
+            wd_incr_style="constant")
+        # The hooks megatron's schedules call: skip the DP all-reduce on all but the last micro-batch,
+        # then reduce gradients over DP (and the tied embedding over the first/last PP stages).
+        self.config.no_sync_func = self.ddp_model.no_sync
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.grad_scale_func = self.optimizer.scale_loss
+
+    def coords(self) -> dict:
+        return dict(rank=self.rank, tp_rank=self.tp_rank, pp_rank=self.pp_rank, dp_rank=self.dp_rank)
+
+    # ------------------------------------------------------------------------ forward / backward
+    def _micro_batches(self, batch: Batch) -> list[Batch]:
+        if batch.size == 0 or batch.size % self.micro_batch_size:
+            raise ValueError(f"{self.role}: the DP shard of {batch.size} rows does not split into "
+                             f"micro-batches of {self.micro_batch_size} (pipeline stages exchange "
+                             f"fixed-shape activations)")
+        seq_len = batch["input_ids"].shape[1]
+        if self.config.sequence_parallel and seq_len % self.tp:
+            raise ValueError(f"{self.role}: sequence length {seq_len} is not divisible by TP={self.tp} "
+                             f"(sequence parallel)")
+        on_device = Batch({k: v.to(self.device) for k, v in batch.items()})
+        return on_device.split(self.micro_batch_size)
+
+    def _forward(self, model, micro_batch: Batch) -> torch.Tensor:
+        """This stage's output: vocab-parallel logits [b, s, V/TP] on the last stage, activations
+        elsewhere (the input of a later stage arrives through megatron's set_input_tensor)."""
+        input_ids = micro_batch["input_ids"]
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        # No attention mask: right padding under the causal mask never changes real positions.
+        return model(input_ids, position_ids, None)
+
+    def _run_schedule(self, micro_batches: list[Batch], loss_func, forward_only: bool) -> list:
+        """Megatron's forward(-backward) schedule over ``micro_batches``; ``loss_func(micro_batch,
+        output)`` is the hook megatron applies to the last stage's output of each micro-batch.
+        Returns what the hooks returned (their second element when training), on the last stage."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            micro_batch = next(data_iterator)
+            return self._forward(model, micro_batch), partial(loss_func, micro_batch)
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self.forward_model],
+            num_microbatches=len(micro_batches), seq_length=micro_batches[0]["input_ids"].shape[1],
+            micro_batch_size=self.micro_batch_size, forward_only=forward_only,
+            collect_non_loss_data=forward_only)
+
+    def compute_logprobs(self, batch: Batch, temperature: float = 1.0) -> dict[str, torch.Tensor] | None:
+        """Token-aligned [b, S] ``logprobs`` and ``entropy`` of this rank's DP shard (forward only).
+
+        Returned by the last PP stage's TP rank 0 (on the CPU); None on every other rank."""
+        from .logprobs import token_logprobs_and_entropy
+
+        def collect(micro_batch, output, non_loss_data=True):
+            lp, ent = token_logprobs_and_entropy(output, micro_batch["input_ids"], temperature, self.tp_group)
+            return {"logprobs": lp, "entropy": ent}
+
+        self.forward_model.eval()
+        with torch.no_grad():
+            outputs = self._run_schedule(self._micro_batches(batch), collect, forward_only=True)
+        if self.trainable:
+            self.forward_model.train()
+        if not (self.is_last_stage and self.tp_rank == 0):
+            return None
+        return {k: torch.cat([o[k] for o in outputs]).cpu() for k in ("logprobs", "entropy")}
+
+    def update(self, batch: Batch, loss_cfg, global_tokens: float, temperature: float = 1.0) -> dict | None:
+        """One optimizer step on this rank's DP shard with ``rlcore.algos.actor_loss`` as the loss.
+
+        Returns, on the last PP stage's TP rank 0, ``{"sums": metrics summed over this shard's
+        micro-batches (additive over DP by the rlcore.algos contract), "grad_norm": float}``; None on
+        the other ranks."""
+        from rlcore.algos import actor_loss
+
+        from .logprobs import token_logprobs_and_entropy
+
+        if not self.trainable:
+            raise RuntimeError(f"role {self.role!r} is forward-only: it has no optimizer")
+        micro_batches = self._micro_batches(batch)
+        # actor_loss returns this micro-batch's share of the global token-mean (sum / global_tokens),
+        # and the update must follow the gradient of the SUM of those shares over all micro-batches
+        # and DP ranks. Verified in megatron-core 0.16.1: for a 2-tuple (loss, metrics) the schedule
+        # divides the loss by num_microbatches before backward (pipeline_parallel/schedules.py:263-269,
+        # forward_step_calc_loss; cp size is 1), and DDP pre-scales gradients by 1/DP before summing
+        # them over DP (distributed/distributed_data_parallel.py:285-288 with average_in_collective=
+        # False; param_and_grad_buffer.py:391 then a SUM all-reduce/reduce-scatter). Multiplying by
+        # num_microbatches * DP cancels both.
+        grad_scale = len(micro_batches) * self.dp
+
+        def loss_func(micro_batch, output):
+            logprobs, entropy = token_logprobs_and_entropy(output, micro_batch["input_ids"], temperature,
+                                                           self.tp_group)
+            loss, metrics = actor_loss(logprobs, entropy, micro_batch, loss_cfg, global_tokens)
+            return loss * grad_scale, {"actor/loss": loss.detach(), **metrics}
+
+        self.ddp_model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self._run_schedule(micro_batches, loss_func, forward_only=False)
+        success, grad_norm, _ = self.optimizer.step()
+        if not success:
+            raise RuntimeError(f"{self.role} update: the optimizer skipped the step (inf/nan in gradients)")
+        grad_norm = float(grad_norm)
+        if not math.isfinite(grad_norm):
+            raise RuntimeError(f"{self.role} update: the gradient norm is {grad_norm}")
+        self.lr_scheduler.step(increment=1)
+        if not (self.is_last_stage and self.tp_rank == 0):
+            return None
+        sums = {k: float(sum(o[k] for o in outputs)) for k in outputs[0]}
+        return {"sums": sums, "grad_norm": grad_norm}
+
+    # ----------------------------------------------------------------------------- full weights
+    @property
+    def is_stage_sender(self) -> bool:
+        """The rank that speaks for its PP stage's full weights: DP rank 0, TP rank 0."""
+        return self.dp_rank == 0 and self.tp_rank == 0
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """This PP stage's weights as full HF-named tensors (on the CPU) on the stage sender; None on
+        other ranks. Every rank must call it (the TP group of DP replica 0 gathers together)."""
+        from .hf_weights import iter_hf_tensors
+
+        if self.dp_rank != 0:
+            return None
+        out = {}
+        for name, tensor in iter_hf_tensors(self.model, self.hf):
+            if self.tp_rank == 0:
+                out[name] = tensor.detach().to("cpu", copy=True)
+        return out if self.tp_rank == 0 else None
+
+    # ------------------------------------------------------------------------------ weight sync
+    def weight_sync_plan(self, bucket_bytes: int, wire_dtype: str):
+        """This stage's bucket plan (list of rlcore.weight_sync.Bucket), which ``send_weights`` follows
+        from now on (computed once per (bucket_bytes, wire_dtype)); None on ranks that are not the
+        stage sender."""
+        from rlcore.weight_sync import plan_buckets
+
+        from .hf_weights import export_specs
+
+        if not self.is_stage_sender:
+            return None
+        if self._sync_plan is None or self._sync_plan_key != (bucket_bytes, wire_dtype):
+            self._sync_plan = plan_buckets(export_specs(self.model, self.hf, wire_dtype), bucket_bytes)
+            self._sync_plan_key = (bucket_bytes, wire_dtype)
+        return self._sync_plan
+
+    def weight_sync_endpoint(self) -> tuple[str, int]:
+        """(node IP, free port) where this stage sender will host its weight-sync group's store."""
+        if not self.is_stage_sender:
+            raise RuntimeError(f"rank {self.rank} is not a stage sender (DP0/TP0)")
+        self._sync_endpoint = (node_ip(), free_port())
+        return self._sync_endpoint
+
+    def init_weight_sync(self, world_size: int) -> None:
+        """Creates the weight-sync group as its rank 0; blocks until the receivers (ranks 1..) join."""
+        from rlcore.weight_sync import WeightSyncGroup
+
+        if self._sync_endpoint is None:
+            raise RuntimeError("call weight_sync_endpoint() before init_weight_sync()")
+        host, port = self._sync_endpoint
+        self._sync_group = WeightSyncGroup(host, port, rank=0, world_size=world_size,
+                                           backend="nccl" if self.profile == "gpu" else "gloo",
+                                           device=self.device)
+
+    def send_weights(self) -> None:
+        """Broadcasts this stage's weights bucket by bucket (sender), or takes part in the TP gathers
+        that produce them (the sender's TP peers). DP replicas other than 0 have nothing to do.
+
+        Extra memory on the sender: the tensors of the bucket being filled plus one flat buffer."""
+        from rlcore.weight_sync import DTYPES, pack
+
+        from .hf_weights import iter_hf_tensors
+
+        if self.dp_rank != 0:
+            return
+        tensors = iter_hf_tensors(self.model, self.hf)
+        if not self.is_stage_sender:
+            for _ in tensors:  # the TP all-gathers run in lock-step with the sender's
+                pass
+            return
+        if self._sync_plan is None or self._sync_group is None:
+            raise RuntimeError("weight sync is not set up: call weight_sync_plan() and init_weight_sync()")
+        # One flat buffer per wire dtype, sized for the largest bucket and reused: the plan is fixed.
+        sizes: dict[str, int] = {}
+        for bucket in self._sync_plan:
+            sizes[bucket.dtype] = max(sizes.get(bucket.dtype, 0), bucket.numel)
+        buffers = {d: torch.empty(n, dtype=DTYPES[d], device=self.device) for d, n in sizes.items()}
+        for bucket in self._sync_plan:
+            pending = {}
+            for spec in bucket.tensors:
+                name, tensor = next(tensors)
+                if name != spec.name:
+                    raise RuntimeError(f"weight sync: the model yields {name!r} where the plan has {spec.name!r}")
+                pending[name] = tensor
+            flat = pack(bucket, pending, out=buffers[bucket.dtype][:bucket.numel])
+            del pending
+            self._sync_group.broadcast(flat, src=0)
+        leftover = next(tensors, None)
+        if leftover is not None:
+            raise RuntimeError(f"weight sync: the model yields {leftover[0]!r}, which the plan lacks")

@@ -1,0 +1,133 @@
+"""Layout equivalence: one actor update gives the same loss, metrics and updated weights under
+TP1PP1, TP2, PP2 and DP2 (DP2 with the distributed optimizer), from the same HF checkpoint and batch.
+
+The model is a Qwen2 with qkv bias and tied embeddings, so TP splits the fused qkv bias and PP keeps
+a second copy of the embedding on the last stage, whose gradient megatron must add to the first's.
+Each DP rank gets >= 2 micro-batches, which exercises the loss normalisation across micro-batches
+and DP ranks.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from launch.assets import make_tiny_model
+from megatron_workers.group import MegatronGroup
+from rlcore.algos import LossConfig, actor_loss
+from rlcore.batch import Batch
+from rlcore.config import OptimConfig
+from rlcore.placement import ResourcePools, start_ray
+
+BATCH, SEQ, MICRO_BATCH = 8, 20, 2  # 4 micro-batches in one process, 2 per rank under DP2
+LOSS = LossConfig(entropy_coeff=0.01)
+# clip_grad=1.0 clips (the first gradient's norm is ~2.7): the global norm must agree across layouts.
+# Adam's first step is lr * g / (|g| + eps): for |g| << eps it amplifies float noise in g by lr / eps,
+# and layouts sum gradients in different orders (~1e-9 apart). eps=1e-6 keeps that below 1e-6 while
+# lr=1e-3 moves the weights by up to 1e-3, far above the tolerance.
+OPTIM = OptimConfig(lr=1e-3, adam_eps=1e-6, clip_grad=1.0)
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def placement():
+    import ray
+
+    start_ray("cpu", total_gpus=4, num_cpus=2)
+    pools = ResourcePools({"actor": 4}, {"actor": "actor"})
+    yield pools.placement("actor")
+    pools.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("qwen2-tied")), arch="qwen2", tie_word_embeddings=True)
+
+
+def right_padded_batch(vocab: int = 16, pad_id: int = 0, seed: int = 0) -> Batch:
+    """Prompts of 3-6 tokens, responses up to the end of a random length, right padding after it."""
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.full((BATCH, SEQ), pad_id, dtype=torch.int64)
+    attention_mask = torch.zeros(BATCH, SEQ, dtype=torch.int64)
+    response_mask = torch.zeros(BATCH, SEQ)
+    for i in range(BATCH):
+        prompt = int(torch.randint(3, 7, (), generator=g))
+        length = int(torch.randint(prompt + 2, SEQ + 1, (), generator=g))
+        input_ids[i, :length] = torch.randint(3, vocab, (length,), generator=g)
+        attention_mask[i, :length] = 1
+        response_mask[i, prompt:length] = 1
+    return Batch(input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
+                 advantages=torch.randn(BATCH, SEQ, generator=g) * response_mask)
+
+
+def run_layout(model_path, placement, tp, pp, dp, batch):
+    """(log-probs before, update metrics, updated HF weights, log-probs after) under one layout."""
+    group = MegatronGroup("actor", model_path, tp=tp, pp=pp, dp=dp, placement=placement,
+                          micro_batch_size=MICRO_BATCH, profile="cpu", dtype="float32",
+                          optim=OptimConfig(**{**OPTIM.__dict__, "use_distributed_optimizer": dp > 1}),
+                          seed=0)
+    try:
+        before = group.compute_logprobs(batch)
+        if "old_logprobs" not in batch:  # the one-process run: on-policy, old = the model's own
+            batch["old_logprobs"] = before * batch["response_mask"]
+        metrics = group.update(batch, LOSS)
+        weights = group.hf_state_dict()
+        after = group.compute_logprobs(batch)
+    finally:
+        group.shutdown()
+    return before, metrics, weights, after
+
+
+@pytest.fixture(scope="module")
+def one_process(model_path, placement):
+    batch = right_padded_batch()
+    return batch, run_layout(model_path, placement, 1, 1, 1, batch)
+
+
+def test_one_process_matches_transformers_and_first_step_is_on_policy(model_path, one_process):
+    import transformers
+
+    batch, (before, metrics, weights, after) = one_process
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    log_softmax = torch.log_softmax(model(batch["input_ids"]).logits[:, :-1], -1)
+    pad = torch.nn.functional.pad
+    logprobs = pad(log_softmax.gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1), (1, 0))
+    entropy = pad(-(log_softmax.exp() * log_softmax).sum(-1), (1, 0))
+    torch.testing.assert_close(before, logprobs.detach(), atol=TOL, rtol=0)
+
+    # Megatron's gradient is the gradient of the global token-mean loss (of the sum of actor_loss over
+    # micro-batches): its norm equals that of transformers' gradient of the same loss on the whole batch.
+    loss, _ = actor_loss(logprobs, entropy, batch, LOSS, float(batch["response_mask"].sum()))
+    loss.backward()
+    grad_norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in model.parameters() if p.grad is not None))
+    assert metrics["actor/loss"] == pytest.approx(float(loss), abs=TOL)
+    assert metrics["actor/grad_norm"] == pytest.approx(float(grad_norm), rel=TOL)
+
+    assert abs(metrics["actor/ppo_kl"]) < 1e-6
+    assert metrics["actor/clip_frac"] == 0
+    assert metrics["actor/grad_norm"] > OPTIM.clip_grad  # clipping is active
+    assert metrics["actor/loss"] == pytest.approx(metrics["actor/pg_loss"] - LOSS.entropy_coeff *
+                                                  metrics["actor/entropy"], abs=1e-7)
+    # The loss is the global token-mean: recompute it from the batch (ratio 1 on the first step).
+    mask = batch["response_mask"]
+    assert metrics["actor/pg_loss"] == pytest.approx(float(-(batch["advantages"] * mask).sum() / mask.sum()),
+                                                     abs=1e-6)
+    # The update changed the model.
+    assert not torch.allclose(after, before)
+
+
+@pytest.mark.parametrize("tp,pp,dp", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["TP2", "PP2", "DP2"])
+def test_layout_matches_one_process(model_path, placement, one_process, tp, pp, dp):
+    batch, (ref_before, ref_metrics, ref_weights, ref_after) = one_process
+    before, metrics, weights, after = run_layout(model_path, placement, tp, pp, dp, Batch(batch))
+
+    torch.testing.assert_close(before, ref_before, atol=TOL, rtol=0)
+    assert sorted(metrics) == sorted(ref_metrics)
+    for key, value in ref_metrics.items():
+        assert metrics[key] == pytest.approx(value, abs=TOL, rel=TOL), key
+    assert abs(metrics["actor/ppo_kl"]) < 1e-6 and metrics["actor/clip_frac"] == 0
+    assert sorted(weights) == sorted(ref_weights)
+    for name, ref in ref_weights.items():
+        torch.testing.assert_close(weights[name], ref, atol=TOL, rtol=0, msg=name)
+    # Under PP the last stage's copy of the tied embedding must have received the same update.
+    torch.testing.assert_close(after, ref_after, atol=TOL, rtol=0)

@@ -1,0 +1,66 @@
+"""Reading a HuggingFace config.json into the facts the Megatron model needs, and the layout checks."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from launch.assets import make_tiny_model
+from megatron_workers.model import check_layout, read_hf_config
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("qwen2")), arch="qwen2")
+
+
+@pytest.fixture(scope="module")
+def llama_tied(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("llama")), arch="llama", tie_word_embeddings=True)
+
+
+def test_reads_qwen2_and_llama(qwen2, llama_tied):
+    q = read_hf_config(qwen2)
+    assert (q.family, q.qkv_bias, q.tie_word_embeddings) == ("qwen2", True, False)
+    assert (q.num_attention_heads, q.num_kv_heads, q.head_dim, q.heads_per_kv_group) == (4, 2, 32, 2)
+    assert (q.vocab_size, q.hidden_size, q.ffn_hidden_size, q.num_layers) == (16, 128, 256, 4)
+    assert (q.rope_theta, q.rope_scaling_factor, q.rms_norm_eps) == (10000.0, None, 1e-6)
+    l = read_hf_config(llama_tied)
+    assert (l.family, l.qkv_bias, l.tie_word_embeddings) == ("llama", False, True)
+
+
+def _edited_copy(src, dst, **changes):
+    dst.mkdir()
+    with open(f"{src}/config.json") as f:
+        cfg = json.load(f)
+    cfg.update(changes)
+    with open(dst / "config.json", "w") as f:
+        json.dump(cfg, f)
+    return str(dst)
+
+
+def test_refuses_what_it_cannot_reproduce(qwen2, tmp_path):
+    with pytest.raises(ValueError, match="not supported"):
+        read_hf_config(_edited_copy(qwen2, tmp_path / "gpt2", architectures=["GPT2LMHeadModel"]))
+    with pytest.raises(ValueError, match="RoPE type 'yarn'"):
+        read_hf_config(_edited_copy(qwen2, tmp_path / "yarn", rope_parameters={"rope_type": "yarn", "factor": 4.0}))
+    llama3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    assert read_hf_config(_edited_copy(qwen2, tmp_path / "llama3", rope_parameters=llama3)).rope_scaling_factor == 32.0
+    with pytest.raises(ValueError, match="high_freq_factor"):
+        read_hf_config(_edited_copy(qwen2, tmp_path / "llama3-other",
+                                    rope_parameters={**llama3, "high_freq_factor": 2.0}))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        read_hf_config(str(tmp_path))
+
+
+def test_layout_checks_explain_the_failure(qwen2):
+    hf = read_hf_config(qwen2)
+    check_layout(hf, tp=2, pp=4)
+    with pytest.raises(ValueError, match="KV groups"):
+        check_layout(hf, tp=4, pp=1)
+    with pytest.raises(ValueError, match="vocabulary of 17"):
+        check_layout(dataclasses.replace(hf, vocab_size=17), tp=2, pp=1)
+    with pytest.raises(ValueError, match="PP=3"):
+        check_layout(hf, tp=1, pp=3)
