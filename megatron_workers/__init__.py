@@ -4,3 +4,6 @@ workers (``worker.MegatronWorker``) with their driver-side group (``group.Megatr
 
 Importing this package imports no megatron-core: workers import it after choosing the device profile.
 """
+from .group import MegatronGroup
+
+__all__ = ["MegatronGroup"]
