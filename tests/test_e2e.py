@@ -14,7 +14,7 @@ from rlcore.algos import LossConfig
 from rlcore.batch import Batch
 from rlcore.config import OptimConfig, RolloutConfig
 from rlcore.placement import ResourcePools, start_ray
-from rlcore.weight_sync import connect_weight_sync, sync_weights
+from rlcore.weight_sync import checksum, connect_weight_sync, sync_weights
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.e2e
@@ -70,6 +70,11 @@ def test_weight_sync_makes_vllm_match_the_actor(ray_cluster, tmp_path, tp, pp, t
         sync_weights(actor, rollout, version=1)
         synced = torch.tensor(rollout.prompt_logprobs(seqs))
         assert (synced - trained)[mask].abs().max() <= 1e-3
+        # And the weights themselves: every HF tensor the engine holds equals the trainer's.
+        expected = checksum(list(actor.hf_state_dict().items()))
+        (engine_sums,) = rollout.weight_checksums()
+        for name, value in expected.items():
+            assert engine_sums[name] == pytest.approx(value, rel=1e-9, abs=1e-9), name
         trajs = rollout.generate([seqs[0][:5]], n=2, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=2)
         assert {t.weight_version for t in trajs} == {1}
     finally:
