@@ -10,7 +10,9 @@ import json
 import os
 import sys
 
+from rlcore.data import DataError
 from rlcore.job import ConfigError, JobLayout, load_job, validate
+from rlcore.reward import RewardError
 
 
 def _layout_table(layout: JobLayout) -> str:
@@ -23,6 +25,15 @@ def _layout_table(layout: JobLayout) -> str:
     rows.append(("rollout", ro.pool, ro.gpus, ro.tp, "-", ro.engines))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in rows)
+
+
+def _check_datasets(cfg) -> None:
+    """Reads and tokenizes every prompt row, so a malformed one is named now."""
+    from transformers import AutoTokenizer
+
+    from rlcore.data import load_datasets
+
+    load_datasets(cfg.data, AutoTokenizer.from_pretrained(cfg.model.path))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_job(args.job, args.overrides)
         layout = validate(cfg)
-    except ConfigError as e:
+        if args.command == "validate":
+            _check_datasets(cfg)  # `train` reads them anyway, before Ray starts
+    except (ConfigError, DataError) as e:
         print(f"rlx {args.command}: {e}", file=sys.stderr)
         return 2
     print(f"{args.job}: valid ({layout.device} profile, {layout.total_gpus} GPUs)")
@@ -54,7 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     # The resolved spec next to the metrics: what actually ran, overrides included.
     with open(os.path.join(cfg.trainer.run_dir, "job.yaml"), "w") as f:
         f.write(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-    history = run(cfg, layout)
+    try:
+        history = run(cfg, layout)
+    except (DataError, RewardError) as e:
+        # The user's data or reward function, not a bug here: one line, no traceback. Every step
+        # finished before it is already in metrics.jsonl.
+        print(f"rlx train: {e}", file=sys.stderr)
+        return 1
     if history:
         print("final step:", json.dumps({k: round(v, 4) for k, v in history[-1].items()}))
     return 0

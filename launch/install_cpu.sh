@@ -13,4 +13,4 @@ PY=${PYTHON:-python3}
 # and transformers imports torchvision when present, which then breaks `import vllm`. Text models
 # need none of the three.
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-.venv/bin/python -c "import torch, megatron.core, vllm, ray; print('rlx CPU stack ready: torch', torch.__version__, '| megatron-core', megatron.core.__version__, '| vllm', vllm.__version__, '| ray', ray.__version__)"
+.venv/bin/python -W ignore -c "import torch, megatron.core, vllm, ray; print('rlx CPU stack ready: torch', torch.__version__, '| megatron-core', megatron.core.__version__, '| vllm', vllm.__version__, '| ray', ray.__version__)"

@@ -218,3 +218,13 @@ class PromptLoader:
             raise ValueError(f"loader state epoch={epoch} position={position} does not fit a dataset of "
                              f"{len(self.dataset)} prompts in batches of {self.batch_size}")
         self.epoch, self.position = epoch, position
+
+
+def load_datasets(data_cfg, tokenizer) -> tuple[PromptDataset, PromptDataset | None]:
+    """The job's training and (if any) validation prompts, every row checked (``DataError`` names the
+    first bad one)."""
+    def load(files):
+        return PromptDataset(files, tokenizer, data_cfg.prompt_key, data_cfg.max_prompt_length,
+                             data_cfg.apply_chat_template)
+
+    return load(data_cfg.train_files), (load(data_cfg.val_files) if data_cfg.val_files else None)

@@ -13,11 +13,11 @@ import torch
 from rlcore.algos import ADV_ESTIMATORS, LossConfig
 from rlcore.batch import Batch, Trajectory
 from rlcore.config import JobConfig
-from rlcore.data import PromptDataset, PromptItem, PromptLoader
+from rlcore.data import PromptItem, PromptLoader, load_datasets
 from rlcore.job import JobLayout
 from rlcore.metrics import MetricsLogger, timer
 from rlcore.placement import ResourcePools, start_ray
-from rlcore.reward import compute_rewards, load_reward_fn
+from rlcore.reward import RewardError, compute_rewards, load_reward_fn
 from rlcore.weight_sync import connect_weight_sync, sync_weights
 
 
@@ -34,11 +34,8 @@ class Trainer:
         # Padding sits right of every real token under a causal mask, so its id never matters.
         self.pad_id = next(i for i in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0) if i is not None)
         self.reward_fn = load_reward_fn(cfg.reward.function)
-        d = cfg.data
-        train = PromptDataset(d.train_files, self.tokenizer, d.prompt_key, d.max_prompt_length, d.apply_chat_template)
-        self.loader = PromptLoader(train, d.batch_size, d.shuffle, cfg.trainer.seed)
-        self.val_set = (PromptDataset(d.val_files, self.tokenizer, d.prompt_key, d.max_prompt_length,
-                                      d.apply_chat_template) if d.val_files else None)
+        train, self.val_set = load_datasets(cfg.data, self.tokenizer)  # before Ray: bad rows fail fast
+        self.loader = PromptLoader(train, cfg.data.batch_size, cfg.data.shuffle, cfg.trainer.seed)
         dtype = layout.dtype
 
         start_ray(layout.device, layout.total_gpus, cfg.resources.ray_address, cfg.resources.num_cpus)
@@ -91,7 +88,10 @@ class Trainer:
                                           top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.max_response_length,
                                           seed=cfg.trainer.seed * 100_003 + step)
         with timer("reward", m):
-            scores, reward_metrics = self.score(prompts, trajs)
+            try:
+                scores, reward_metrics = self.score(prompts, trajs)
+            except RewardError as e:
+                raise RewardError(f"step {step}: {e}") from e
         batch = build_batch(trajs, self.pad_id)
         temperature = cfg.rollout.temperature
         with timer("logprob", m):
@@ -128,7 +128,7 @@ class Trainer:
     def score(self, prompts: list[PromptItem], trajs: list[Trajectory]):
         items = [prompts[tr.prompt_index] for tr in trajs]
         texts = [self.tokenizer.decode(tr.response_ids, skip_special_tokens=True) for tr in trajs]
-        return compute_rewards(self.reward_fn, items, texts)
+        return compute_rewards(self.reward_fn, items, texts, spec=self.cfg.reward.function)
 
     def validate(self) -> dict[str, float]:
         """Greedy accuracy (mean reward) on the validation prompts with the current weights."""

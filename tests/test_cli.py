@@ -54,3 +54,15 @@ def test_train_rejects_before_starting_anything(assets, tmp_path):
                f"data.val_files=[{data}]", f"trainer.run_dir={tmp_path / 'run'}", "actor.tp=3")
     assert proc.returncode == 2 and "actor.tp*actor.pp=3*1=3 does not divide" in proc.stderr
     assert not (tmp_path / "run").exists(), "a rejected spec must not create the run folder"
+
+
+def test_validate_names_a_malformed_data_row(assets, tmp_path):
+    model, _ = assets
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": [{"role": "user", "content": "1+1="}], "reward_model": {"ground_truth": "2"}, '
+                   '"data_source": "x"}\n'
+                   '{"prompt": "1+2=", "reward_model": {"ground_truth": "3"}, "data_source": "x"}\n')
+    proc = rlx("validate", "yaml_configs/quickstart_cpu.yaml", f"model.path={model}",
+               f"data.train_files=[{bad}]", "data.val_files=[]")
+    assert proc.returncode == 2
+    assert f"{bad} row 1 (line 2): 'prompt' must be a non-empty list" in proc.stderr, proc.stderr

@@ -13,20 +13,10 @@ from launch.assets import make_addition_data, make_tiny_model
 from rlcore.algos import LossConfig
 from rlcore.batch import Batch
 from rlcore.config import OptimConfig, RolloutConfig
-from rlcore.placement import ResourcePools, start_ray
 from rlcore.weight_sync import checksum, connect_weight_sync, sync_weights
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    start_ray("cpu", total_gpus=3, num_cpus=2)
-    yield
-    ray.shutdown()
 
 
 def _fixed_batch(vocab: int, n: int = 8, seq: int = 12, seed: int = 0) -> Batch:
@@ -39,12 +29,12 @@ def _fixed_batch(vocab: int, n: int = 8, seq: int = 12, seed: int = 0) -> Batch:
 
 
 @pytest.mark.parametrize("tp,pp,tied", [(2, 1, False), (1, 2, True)], ids=["tp2-untied", "pp2-tied"])
-def test_weight_sync_makes_vllm_match_the_actor(ray_cluster, tmp_path, tp, pp, tied):
+def test_weight_sync_makes_vllm_match_the_actor(ray_pools, tmp_path, tp, pp, tied):
     from megatron_workers import MegatronGroup
     from rollout import RolloutPool
 
     model = make_tiny_model(str(tmp_path / "model"), tie_word_embeddings=tied, seed=3)
-    pools = ResourcePools({"actor": 2, "rollout": 1}, {"actor": "actor", "rollout": "rollout"})
+    pools = ray_pools({"actor": 2, "rollout": 1}, {"actor": "actor", "rollout": "rollout"})
     actor = MegatronGroup("actor", model, tp, pp, 1, pools.placement("actor"), 4, "cpu", "float32",
                           OptimConfig(lr=0.05, clip_grad=0.0), seed=0)
     rollout = RolloutPool(model, RolloutConfig(kv_cache_gb=0.25, max_response_length=4),
@@ -80,7 +70,6 @@ def test_weight_sync_makes_vllm_match_the_actor(ray_cluster, tmp_path, tp, pp, t
     finally:
         rollout.shutdown()
         actor.shutdown()
-        pools.shutdown()
 
 
 def test_quickstart_steps_end_to_end(tmp_path):
@@ -109,3 +98,32 @@ def test_quickstart_steps_end_to_end(tmp_path):
     assert all(x["rollout/logprob_diff_max"] <= 1e-3 for x in train)
     assert "val/reward_mean" in lines[0] and lines[0]["step"] == 0
     assert list((run_dir / "tensorboard").iterdir()), "no TensorBoard event files"
+
+
+def test_a_raising_reward_function_stops_the_run_and_keeps_finished_steps(tmp_path):
+    """The user's verifier crashes in step 2: `rlx train` exits 1 with one line naming the step, the
+    function, the dataset row and the cause; step 1's metrics are already on disk."""
+    model = make_tiny_model(str(tmp_path / "model"))
+    data = make_addition_data(str(tmp_path / "data"))
+    reward_file = tmp_path / "my_reward.py"
+    reward_file.write_text(
+        "calls = 0\n"
+        "def score(data_source, solution_str, ground_truth, extra_info):\n"
+        "    global calls\n"
+        "    calls += 1\n"
+        "    if calls > 256:  # one step of the quickstart scores 16 prompts x 16 samples\n"
+        "        raise ValueError('verifier crashed on purpose')\n"
+        "    return float(solution_str.strip() == ground_truth)\n")
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "launch.cli", "train", "yaml_configs/quickstart_cpu.yaml",
+           f"model.path={model}", f"data.train_files=[{data}]", "data.val_files=[]",
+           f"reward.function={reward_file}:score", f"trainer.run_dir={run_dir}", "trainer.total_steps=3",
+           "trainer.val_every=0"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("rlx train: step 2: reward function"), last
+    assert "my_reward.py:score" in last and "dataset row" in last
+    assert "raised ValueError: verifier crashed on purpose" in last
+    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1]

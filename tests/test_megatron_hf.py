@@ -12,19 +12,12 @@ import torch
 from launch.assets import make_tiny_model
 from megatron_workers.group import MegatronGroup
 from rlcore.batch import Batch
-from rlcore.placement import ResourcePools, start_ray
 from rlcore.weight_sync import DTYPES, WeightSyncGroup, empty_buffer, unpack
 
 
 @pytest.fixture(scope="module")
-def placement():
-    import ray
-
-    start_ray("cpu", total_gpus=4, num_cpus=2)
-    pools = ResourcePools({"actor": 4}, {"reference": "actor"})
-    yield pools.placement("reference")
-    pools.shutdown()
-    ray.shutdown()
+def placement(ray_pools):
+    return ray_pools({"actor": 4}, {"reference": "actor"}).placement("reference")
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import torch
 
 from launch.assets import make_tiny_model
 from rlcore.config import RolloutConfig
-from rlcore.placement import ResourcePools, start_ray
 
 EOS = 2
 PROMPTS = [[1, 5, 14, 7, 15], [1, 8, 14, 4, 15], [1, 12, 14, 6, 15, 9]]
@@ -21,19 +20,14 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def pool(model_dir):
-    import ray
-
+def pool(model_dir, ray_pools):
     from rollout import RolloutPool
 
-    start_ray("cpu", total_gpus=2)
-    pools = ResourcePools({"rollout": 2}, {"rollout": "rollout"})
+    pools = ray_pools({"rollout": 2}, {"rollout": "rollout"})
     p = RolloutPool(model_dir, RolloutConfig(engines=2, kv_cache_gb=0.25), pools.placement("rollout"),
                     "cpu", "float32", seed=0)
     yield p
     p.shutdown()
-    pools.shutdown()
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ import torch
 
 from launch.assets import make_tiny_model
 from rlcore.config import RolloutConfig
-from rlcore.placement import ResourcePools, start_ray
 from rlcore.weight_sync import TensorSpec, WeightSyncGroup, checksum, pack, plan_buckets
 
 BUCKET_BYTES = 100_000  # several buckets; q/k land in one bucket and v in the next
@@ -26,12 +25,8 @@ CASES = {"untied": dict(tied=False, engines=2, stages=1, seeds=(21, 22)),
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    start_ray("cpu", total_gpus=3)
-    pools = ResourcePools({"rollout": 2, "rollout_tied": 1}, {"untied": "rollout", "tied": "rollout_tied"})
-    yield pools
-    pools.shutdown()
-    ray.shutdown()
+def cluster(ray_pools):
+    return ray_pools({"rollout": 2, "rollout_tied": 1}, {"untied": "rollout", "tied": "rollout_tied"})
 
 
 @pytest.fixture(scope="module")

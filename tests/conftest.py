@@ -1,0 +1,23 @@
+"""Shared fixtures: a local Ray cluster with logical GPUs and named pools, one per test module."""
+import pytest
+
+from rlcore.placement import ResourcePools, start_ray
+
+
+@pytest.fixture(scope="module")
+def ray_pools():
+    """``ray_pools(pools, role_pools)`` starts Ray with as many logical GPUs as the pools hold (once
+    per module) and returns the ``ResourcePools``; everything is torn down after the module."""
+    import ray
+
+    made = []
+
+    def start(pools: dict[str, int], role_pools: dict[str, str]) -> ResourcePools:
+        start_ray("cpu", total_gpus=sum(pools.values()), num_cpus=2)
+        made.append(ResourcePools(pools, role_pools))
+        return made[-1]
+
+    yield start
+    for pools in made:
+        pools.shutdown()
+    ray.shutdown()
