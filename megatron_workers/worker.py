@@ -75,6 +75,8 @@ class MegatronWorker:
             # megatron-core warns at import that TransformerEngine and apex are missing: on the cpu
             # profile that is the intended set-up, and the warnings would drown the worker logs.
             warnings.filterwarnings("ignore", message=r".*(Transformer Engine and Apex|Apex) (are|is) not installed")
+            # Advice for CUDA (CUDA_DEVICE_MAX_CONNECTIONS) and CUDA graphs: meaningless on the CPU.
+            warnings.filterwarnings("ignore", message=r".*(async grad allreduce|full scope is deprecated)")
             from .cpu_compat import apply_cpu_compat
 
             apply_cpu_compat()

@@ -16,6 +16,7 @@ SUMMARY_FIELDS = (
     ("actor/kl_ref", "kl_ref", "{:.4f}"),
     ("rollout/logprob_diff_max", "lp_diff_max", "{:.3g}"),
     ("timing/step_s", "step", "{:.1f}s"),
+    ("val/reward_mean", "val_reward", "{:.3f}"),
 )
 
 

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 
 # Every worker process gets one math thread: on a shared 2-core box two threads per process were
 # 5-100x slower whenever another process held a core (shared/notes/offline-models-and-data.md).
-WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-              "RAY_DEDUP_LOGS": "0"}
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+# vLLM logs dozens of INFO lines per engine start and per weight reload; the console is for the
+# training progress. Set VLLM_LOGGING_LEVEL=INFO in the environment to see them again.
+LOG_ENV = {"VLLM_LOGGING_LEVEL": "WARNING"}
 
 
 def start_ray(device: str, total_gpus: int, address: str | None = None, num_cpus: int | None = None) -> None:
@@ -24,7 +26,8 @@ def start_ray(device: str, total_gpus: int, address: str | None = None, num_cpus
         return
     # Ray actors must import this repository's packages wherever they run.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(WORKER_ENV, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    env = {k: os.environ.get(k, v) for k, v in LOG_ENV.items()}
+    env.update(WORKER_ENV, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     kwargs = dict(runtime_env={"env_vars": env}, include_dashboard=False, log_to_driver=True)
     if address:
         ray.init(address=address, **kwargs)

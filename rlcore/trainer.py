@@ -80,55 +80,42 @@ class Trainer:
 
     def train_step(self, step: int) -> dict[str, float]:
         cfg, m = self.cfg, {}
+        temperature = cfg.rollout.temperature
         t0 = time.perf_counter()
         prompts: list[PromptItem] = next(self.loader)
         with timer("rollout", m):
-            trajs = self.rollout.generate([p.prompt_ids for p in prompts], n=cfg.rollout.n,
-                                          temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                          top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.max_response_length,
+            trajs = self.rollout.generate([p.prompt_ids for p in prompts], n=cfg.rollout.n, temperature=temperature,
+                                          top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                                          max_tokens=cfg.rollout.max_response_length,
                                           seed=cfg.trainer.seed * 100_003 + step)
         with timer("reward", m):
-            try:
-                scores, reward_metrics = self.score(prompts, trajs)
-            except RewardError as e:
-                raise RewardError(f"step {step}: {e}") from e
+            scores, reward_metrics = self.score(prompts, trajs, step)
         batch = build_batch(trajs, self.pad_id)
-        temperature = cfg.rollout.temperature
         with timer("logprob", m):
             batch["old_logprobs"] = self.actor.compute_logprobs(batch, temperature)
             if self.reference is not None:
                 batch["ref_logprobs"] = self.reference.compute_logprobs(batch, temperature)
-        group = torch.tensor([tr.prompt_index for tr in trajs])
-        adv = ADV_ESTIMATORS[cfg.algorithm.adv_estimator](scores, group, cfg.algorithm.norm_adv_by_std)
+        groups = torch.tensor([tr.prompt_index for tr in trajs])
+        adv = ADV_ESTIMATORS[cfg.algorithm.adv_estimator](scores, groups, cfg.algorithm.norm_adv_by_std)
         batch["advantages"] = adv[:, None] * batch["response_mask"]
         with timer("update", m):
             m.update(self.actor.update(batch, self.loss_cfg, temperature))
         with timer("weight_sync", m):
             self.version += 1
             sync_weights(self.actor, self.rollout, self.version)
-
-        mask = batch["response_mask"].bool()
-        resp_len = batch["response_mask"].sum(1)
         m.update(reward_metrics)
-        m.update({
-            "reward/mean": scores.mean().item(),
-            "response_length/mean": resp_len.mean().item(),
-            "response_length/clip_frac": sum(tr.finish_reason == "length" for tr in trajs) / len(trajs),
-            # How far the engine's sampling distribution is from the trainer's before the update:
-            # large values mean a resharding or numerics bug, not an algorithm issue.
-            "rollout/logprob_diff_max": (batch["old_logprobs"] - batch["rollout_logprobs"])[mask].abs().max().item(),
-            "rollout/logprob_diff_mean": (batch["old_logprobs"] - batch["rollout_logprobs"])[mask].abs().mean().item(),
-            "rollout/weight_version": float(min(tr.weight_version for tr in trajs)),
-            "weights/version": float(self.version),
-            "timing/step_s": time.perf_counter() - t0,
-        })
+        m.update(batch_metrics(batch, trajs, scores))
+        m.update({"weights/version": float(self.version), "timing/step_s": time.perf_counter() - t0})
         return m
 
     # ---------------------------------------------------------------------------------- helpers
-    def score(self, prompts: list[PromptItem], trajs: list[Trajectory]):
+    def score(self, prompts: list[PromptItem], trajs: list[Trajectory], step: int | None = None):
         items = [prompts[tr.prompt_index] for tr in trajs]
         texts = [self.tokenizer.decode(tr.response_ids, skip_special_tokens=True) for tr in trajs]
-        return compute_rewards(self.reward_fn, items, texts, spec=self.cfg.reward.function)
+        try:
+            return compute_rewards(self.reward_fn, items, texts, spec=self.cfg.reward.function)
+        except RewardError as e:
+            raise RewardError(f"step {step}: {e}" if step is not None else str(e)) from e
 
     def validate(self) -> dict[str, float]:
         """Greedy accuracy (mean reward) on the validation prompts with the current weights."""
@@ -161,6 +148,21 @@ def build_batch(trajs: list[Trajectory], pad_id: int) -> Batch:
         rollout_logprobs[i, p:p + r] = torch.tensor(t.response_logprobs)
     return Batch(input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
                  rollout_logprobs=rollout_logprobs)
+
+
+def batch_metrics(batch: Batch, trajs: list[Trajectory], scores: torch.Tensor) -> dict[str, float]:
+    mask = batch["response_mask"].bool()
+    # How far the engine's sampling distribution is from the trainer's before the update: large
+    # values mean a resharding or numerics bug, not an algorithm issue.
+    diff = (batch["old_logprobs"] - batch["rollout_logprobs"])[mask].abs()
+    return {
+        "reward/mean": scores.mean().item(),
+        "response_length/mean": batch["response_mask"].sum(1).mean().item(),
+        "response_length/clip_frac": sum(tr.finish_reason == "length" for tr in trajs) / len(trajs),
+        "rollout/logprob_diff_max": diff.max().item(),
+        "rollout/logprob_diff_mean": diff.mean().item(),
+        "rollout/weight_version": float(min(tr.weight_version for tr in trajs)),
+    }
 
 
 def run(cfg: JobConfig, layout: JobLayout) -> list[dict]:

@@ -13,12 +13,25 @@ checkpoint names (it stacks q/k/v and gate/up itself) and re-runs the CPU GEMM p
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 
 import torch
 
 from rlcore.weight_sync import Bucket, WeightSyncGroup, checksum, empty_buffer, unpack
+
+
+class _DropRotaryReloadWarning(logging.Filter):
+    """vLLM's in-place reload warns "RotaryEmbedding: Failed to load weights" on every sync: the rotary
+    layer has a cos/sin cache but no checkpoint weights, and keeps its own cache. Any other layer's
+    failure still gets through."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
+
+
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_DropRotaryReloadWarning())
 
 
 class WeightSyncWorkerExtension:
