@@ -19,6 +19,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.e2e
 
 
+@pytest.fixture(scope="module")
+def split_pools(ray_pools):
+    """The quickstart's shape: a 2-GPU actor pool and a 1-GPU rollout pool (logical GPUs)."""
+    return ray_pools({"actor": 2, "rollout": 1}, {"actor": "actor", "rollout": "rollout"})
+
+
 def _fixed_batch(vocab: int, n: int = 8, seq: int = 12, seed: int = 0) -> Batch:
     g = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(4, vocab, (n, seq), generator=g)
@@ -29,12 +35,12 @@ def _fixed_batch(vocab: int, n: int = 8, seq: int = 12, seed: int = 0) -> Batch:
 
 
 @pytest.mark.parametrize("tp,pp,tied", [(2, 1, False), (1, 2, True)], ids=["tp2-untied", "pp2-tied"])
-def test_weight_sync_makes_vllm_match_the_actor(ray_pools, tmp_path, tp, pp, tied):
+def test_weight_sync_makes_vllm_match_the_actor(split_pools, tmp_path, tp, pp, tied):
     from megatron_workers import MegatronGroup
     from rollout import RolloutPool
 
     model = make_tiny_model(str(tmp_path / "model"), tie_word_embeddings=tied, seed=3)
-    pools = ray_pools({"actor": 2, "rollout": 1}, {"actor": "actor", "rollout": "rollout"})
+    pools = split_pools
     actor = MegatronGroup("actor", model, tp, pp, 1, pools.placement("actor"), 4, "cpu", "float32",
                           OptimConfig(lr=0.05, clip_grad=0.0), seed=0)
     rollout = RolloutPool(model, RolloutConfig(kv_cache_gb=0.25, max_response_length=4),
