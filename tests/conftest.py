@@ -21,3 +21,19 @@ def ray_pools():
     for pools in made:
         pools.shutdown()
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def qwen2_untied(tmp_path_factory):
+    """The quickstart's architecture: Qwen2 (random qkv biases), untied embeddings."""
+    from launch.assets import make_tiny_model
+
+    return make_tiny_model(str(tmp_path_factory.mktemp("qwen2-untied")), arch="qwen2")
+
+
+@pytest.fixture(scope="session")
+def llama_tied(tmp_path_factory):
+    """A Llama with tied input/output embeddings."""
+    from launch.assets import make_tiny_model
+
+    return make_tiny_model(str(tmp_path_factory.mktemp("llama-tied")), arch="llama", tie_word_embeddings=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launch.assets import make_tiny_model
 from megatron_workers.group import MegatronGroup
 from rlcore.batch import Batch
 from rlcore.weight_sync import DTYPES, WeightSyncGroup, empty_buffer, unpack
@@ -18,16 +17,6 @@ from rlcore.weight_sync import DTYPES, WeightSyncGroup, empty_buffer, unpack
 @pytest.fixture(scope="module")
 def placement(ray_pools):
     return ray_pools({"actor": 4}, {"reference": "actor"}).placement("reference")
-
-
-@pytest.fixture(scope="module")
-def qwen2_untied(tmp_path_factory):
-    return make_tiny_model(str(tmp_path_factory.mktemp("qwen2-untied")), arch="qwen2")
-
-
-@pytest.fixture(scope="module")
-def llama_tied(tmp_path_factory):
-    return make_tiny_model(str(tmp_path_factory.mktemp("llama-tied")), arch="llama", tie_word_embeddings=True)
 
 
 def fixed_sequences(batch_size: int = 4, seq_len: int = 24, vocab: int = 16, seed: int = 0) -> Batch:

@@ -6,18 +6,12 @@ import json
 
 import pytest
 
-from launch.assets import make_tiny_model
 from megatron_workers.model import check_layout, read_hf_config
 
 
 @pytest.fixture(scope="module")
-def qwen2(tmp_path_factory):
-    return make_tiny_model(str(tmp_path_factory.mktemp("qwen2")), arch="qwen2")
-
-
-@pytest.fixture(scope="module")
-def llama_tied(tmp_path_factory):
-    return make_tiny_model(str(tmp_path_factory.mktemp("llama")), arch="llama", tie_word_embeddings=True)
+def qwen2(qwen2_untied):
+    return qwen2_untied
 
 
 def test_reads_qwen2_and_llama(qwen2, llama_tied):
