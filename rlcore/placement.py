@@ -32,8 +32,13 @@ def start_ray(device: str, total_gpus: int, address: str | None = None, num_cpus
     if address:
         ray.init(address=address, **kwargs)
         return
-    ray.init(num_gpus=total_gpus if device == "cpu" else None, num_cpus=num_cpus or os.cpu_count(),
-             object_store_memory=512 * 1024 ** 2, **kwargs)
+    if device == "cpu":
+        # Logical GPUs, and a small object store: batches are small and RAM is shared with every
+        # worker on a laptop-sized box.
+        ray.init(num_gpus=total_gpus, num_cpus=num_cpus or os.cpu_count(), object_store_memory=512 * 1024 ** 2,
+                 **kwargs)
+    else:
+        ray.init(num_cpus=num_cpus, **kwargs)
 
 
 @dataclass
@@ -63,6 +68,11 @@ class ResourcePools:
         from ray.util.placement_group import placement_group
 
         self._groups = {}
+        wanted = {name: gpus for name, gpus in pools.items() if name in role_pools.values()}
+        have = ray.cluster_resources().get("GPU", 0)
+        if sum(wanted.values()) > have:
+            raise RuntimeError(f"resources.pools {wanted} need {sum(wanted.values())} GPUs, but the Ray cluster "
+                               f"has {have:g}")
         for name, gpus in pools.items():
             if name not in role_pools.values():
                 continue  # a declared pool no role uses holds no GPUs

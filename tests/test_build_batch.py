@@ -14,3 +14,4 @@ def test_build_batch_aligns_response_tokens_and_engine_logprobs():
     assert b["response_mask"].tolist() == [[0, 0, 0, 1, 1, 0], [0, 0, 0, 1, 1, 1], [0, 0, 1, 0, 0, 0]]
     expected = torch.tensor([[0, 0, 0, -0.5, -0.25, 0], [0, 0, 0, -1.0, -2.0, -3.0], [0, 0, -0.125, 0, 0, 0]])
     assert torch.equal(b["rollout_logprobs"], expected)
+
