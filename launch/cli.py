@@ -1,6 +1,7 @@
 """``rlx``: the command line.
 
     rlx validate JOB.yaml [key.sub=value ...]   check a job spec; start nothing
+    rlx show     JOB.yaml [key.sub=value ...]   print the resolved spec: every key, defaults included
     rlx train    JOB.yaml [key.sub=value ...]   validate, then train
 """
 from __future__ import annotations
@@ -27,6 +28,12 @@ def _layout_table(layout: JobLayout) -> str:
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in rows)
 
 
+def _to_yaml(cfg) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
 def _check_datasets(cfg) -> None:
     """Reads and tokenizes every prompt row, so a malformed one is named now."""
     from transformers import AutoTokenizer
@@ -40,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlx", description="Megatron-first RL trainer for LLMs")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_ in (("validate", "check a job spec without starting anything"),
+                        ("show", "print the resolved job spec (defaults, file, overrides) as YAML"),
                         ("train", "validate a job spec, then train")):
         p = sub.add_parser(name, help=help_)
         p.add_argument("job", help="YAML job spec")
@@ -48,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = load_job(args.job, args.overrides)
+        if args.command == "show":
+            print(_to_yaml(cfg), end="")
+            return 0
         layout = validate(cfg)
         if args.command == "validate":
             _check_datasets(cfg)  # `train` reads them anyway, before Ray starts
@@ -59,14 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "validate":
         return 0
 
-    from omegaconf import OmegaConf
-
     from rlcore.trainer import run
 
     os.makedirs(cfg.trainer.run_dir, exist_ok=True)
     # The resolved spec next to the metrics: what actually ran, overrides included.
     with open(os.path.join(cfg.trainer.run_dir, "job.yaml"), "w") as f:
-        f.write(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        f.write(_to_yaml(cfg))
     try:
         history = run(cfg, layout)
     except (DataError, RewardError) as e:

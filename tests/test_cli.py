@@ -66,3 +66,16 @@ def test_validate_names_a_malformed_data_row(assets, tmp_path):
                f"data.train_files=[{bad}]", "data.val_files=[]")
     assert proc.returncode == 2
     assert f"{bad} row 1 (line 2): 'prompt' must be a non-empty list" in proc.stderr, proc.stderr
+
+
+def test_show_prints_every_key_with_defaults_and_overrides():
+    import yaml
+
+    proc = rlx("show", "yaml_configs/quickstart_cpu.yaml", "rollout.top_p=0.9")
+    assert proc.returncode == 0, proc.stderr
+    spec = yaml.safe_load(proc.stdout)
+    assert spec["actor"]["tp"] == 2  # from the file
+    assert spec["rollout"]["top_p"] == 0.9  # from the override
+    assert spec["actor"]["optim"]["adam_beta2"] == 0.999  # a default from rlcore/config.py
+    assert set(spec) == {"model", "resources", "actor", "reference", "rollout", "data", "reward", "algorithm",
+                         "trainer"}
