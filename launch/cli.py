@@ -38,9 +38,10 @@ def _check_datasets(cfg) -> None:
     """Reads and tokenizes every prompt row, so a malformed one is named now."""
     from transformers import AutoTokenizer
 
-    from rlcore.data import load_datasets
+    from rlcore.data import PromptLoader, load_datasets
 
-    load_datasets(cfg.data, AutoTokenizer.from_pretrained(cfg.model.path))
+    train, _ = load_datasets(cfg.data, AutoTokenizer.from_pretrained(cfg.model.path))
+    PromptLoader(train, cfg.data.batch_size)  # refuses a dataset smaller than one batch
 
 
 def main(argv: list[str] | None = None) -> int:
