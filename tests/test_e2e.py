@@ -34,14 +34,15 @@ def _fixed_batch(vocab: int, n: int = 8, seq: int = 12, seed: int = 0) -> Batch:
                  response_mask=response_mask)
 
 
-@pytest.mark.parametrize("tp,pp,tied", [(2, 1, False), (1, 2, True)], ids=["tp2-untied", "pp2-tied"])
-def test_weight_sync_makes_vllm_match_the_actor(split_pools, tmp_path, tp, pp, tied):
+@pytest.mark.parametrize("tp,pp,dp,tied", [(2, 1, 1, False), (1, 2, 1, True), (1, 1, 2, False)],
+                         ids=["tp2-untied", "pp2-tied", "dp2-untied"])
+def test_weight_sync_makes_vllm_match_the_actor(split_pools, tmp_path, tp, pp, dp, tied):
     from megatron_workers import MegatronGroup
     from rollout import RolloutPool
 
     model = make_tiny_model(str(tmp_path / "model"), tie_word_embeddings=tied, seed=3)
     pools = split_pools
-    actor = MegatronGroup("actor", model, tp, pp, 1, pools.placement("actor"), 4, "cpu", "float32",
+    actor = MegatronGroup("actor", model, tp, pp, dp, pools.placement("actor"), 4, "cpu", "float32",
                           OptimConfig(lr=0.05, clip_grad=0.0), seed=0)
     rollout = RolloutPool(model, RolloutConfig(kv_cache_gb=0.25, max_response_length=4),
                           pools.placement("rollout"), "cpu", "float32", seed=0)
