@@ -32,6 +32,9 @@ def start_ray(device: str, total_gpus: int, address: str | None = None, num_cpus
     if address:
         ray.init(address=address, **kwargs)
         return
+    # address="local": always a fresh cluster, never one that `ray start` left on this machine (Ray's
+    # default would join the latest cluster in /tmp/ray and then refuse num_gpus).
+    kwargs["address"] = "local"
     if device == "cpu":
         # Logical GPUs, and a small object store: batches are small and RAM is shared with every
         # worker on a laptop-sized box.
