@@ -3,6 +3,10 @@
     rlx validate JOB.yaml [key.sub=value ...]   check a job spec; start nothing
     rlx show     JOB.yaml [key.sub=value ...]   print the resolved spec: every key, defaults included
     rlx train    JOB.yaml [key.sub=value ...]   validate, then train
+    rlx plan     JOB.yaml [key.sub=value ...]   memory per GPU of every role; fails when one cannot fit
+    rlx plan     JOB.yaml --suggest --gpus-per-node G --nodes N   valid layouts, ranked by a cost model
+    rlx submit   JOB.yaml --nodes N [key.sub=value ...]   sbatch a Ray cluster on N nodes that trains JOB
+    rlx export   CHECKPOINT --to hf OUT [--role actor|critic]   a checkpoint as a HuggingFace model folder
 """
 from __future__ import annotations
 
@@ -11,14 +15,15 @@ import json
 import os
 import sys
 
+from rlcore.checkpoint import CheckpointError
 from rlcore.data import DataError
-from rlcore.job import ConfigError, JobLayout, load_job, validate
+from rlcore.job import ConfigError, JobLayout, for_another_machine, load_job, validate
 from rlcore.reward import RewardError
 
 
 def _layout_table(layout: JobLayout) -> str:
     rows = [("role", "pool", "gpus", "tp", "pp", "dp/engines")]
-    for role in ("actor", "reference"):
+    for role in ("actor", "reference", "critic"):
         r = getattr(layout, role)
         if r is not None:
             rows.append((role, r.pool, r.gpus, r.tp, r.pp, r.dp))
@@ -44,6 +49,27 @@ def _check_datasets(cfg) -> None:
     PromptLoader(train, cfg.data.batch_size)  # refuses a dataset smaller than one batch
 
 
+def _plan(args, cfg, layout: JobLayout) -> int:
+    from launch import plan
+
+    if args.suggest:
+        gpus_per_node = args.gpus_per_node or cfg.resources.gpus_per_node
+        nodes = args.nodes or cfg.resources.nodes
+        if not gpus_per_node:
+            raise ConfigError("rlx plan --suggest needs --gpus-per-node (or resources.gpus_per_node in the spec)")
+        found = plan.suggest(cfg, layout, gpus_per_node, nodes, args.top)
+        print(plan.format_suggestions(found, gpus_per_node, nodes))
+        return 0 if found.best else 2
+    estimate = plan.estimate(cfg, layout)
+    print(f"{args.job}: {layout.total_gpus} GPUs on {cfg.resources.nodes} node(s)")
+    print(plan.format_plan(estimate, cfg))
+    plan.check(estimate, cfg)  # after the table, so a refusal comes with its figures
+    print("fits: every pool is within its GPU memory" if layout.device == "gpu" else
+          "fits: the rollout KV cache holds a full-length sequence (cpu profile: the logical GPUs share the "
+          "host's memory, so resources.gpu_memory_gb is not checked)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlx", description="Megatron-first RL trainer for LLMs")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -53,20 +79,55 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=help_)
         p.add_argument("job", help="YAML job spec")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.tp=2 trainer.total_steps=5")
-    args = parser.parse_args(argv)
+    plan = sub.add_parser("plan", help="estimate every role's memory per GPU; --suggest ranks layouts")
+    submit = sub.add_parser("submit", help="submit the job to Slurm: a Ray cluster on --nodes nodes runs `rlx train`")
+    for p in (plan, submit):
+        p.add_argument("job", help="YAML job spec")
+        p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.tp=2 trainer.total_steps=5")
+    plan.add_argument("--suggest", action="store_true", help="list the layouts that divide and fit, best first")
+    plan.add_argument("--gpus-per-node", type=int, help="with --suggest (default: resources.gpus_per_node)")
+    plan.add_argument("--nodes", type=int, help="with --suggest (default: resources.nodes)")
+    plan.add_argument("--top", type=int, default=10, help="with --suggest: how many layouts to show")
+    from launch.slurm import add_submit_arguments
 
+    add_submit_arguments(submit)
+    from launch.export import add_export_parser
+
+    add_export_parser(sub)
+    # Overrides may follow options (`rlx submit JOB --nodes 2 trainer.total_steps=5`): argparse leaves
+    # them unparsed, so they are collected here.
+    args, extra = parser.parse_known_args(argv)
+    for item in extra:
+        if item.startswith("-") or "=" not in item or args.command not in ("plan", "submit"):
+            parser.error(f"unrecognized argument {item!r}")
+        args.overrides.append(item)
+
+    if args.command == "export":
+        from launch.export import run_export
+
+        return run_export(args)
     try:
         cfg = load_job(args.job, args.overrides)
         if args.command == "show":
             print(_to_yaml(cfg), end="")
             return 0
-        layout = validate(cfg)
-        if args.command == "validate":
+        # A spec for another machine (model.hf_config, no model folder here) is checked without its files.
+        layout = validate(cfg, require_files=True if args.command == "train" else None)
+        if args.command == "validate" and not for_another_machine(cfg):
             _check_datasets(cfg)  # `train` reads them anyway, before Ray starts
+        if args.command == "plan":
+            return _plan(args, cfg, layout)
+        if args.command == "submit":
+            from launch.slurm import submit
+
+            return submit(args, cfg, layout)
     except (ConfigError, DataError) as e:
         print(f"rlx {args.command}: {e}", file=sys.stderr)
         return 2
     print(f"{args.job}: valid ({layout.device} profile, {layout.total_gpus} GPUs)")
+    if for_another_machine(cfg):
+        print(f"model.path={cfg.model.path} is not on this machine: checked against model.hf_config; the "
+              "weights, tokenizer and data files are checked when the job starts")
     print(_layout_table(layout))
     if args.command == "validate":
         return 0
@@ -79,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         f.write(_to_yaml(cfg))
     try:
         history = run(cfg, layout)
-    except (DataError, RewardError) as e:
-        # The user's data or reward function, not a bug here: one line, no traceback. Every step
+    except (DataError, RewardError, CheckpointError) as e:
+        # The user's data, reward function or checkpoint, not a bug here: one line, no traceback. Every step
         # finished before it is already in metrics.jsonl.
         print(f"rlx train: {e}", file=sys.stderr)
         return 1

@@ -62,6 +62,8 @@ class MegatronGroup:
 
     def compute_logprobs_and_entropy(self, batch: Batch, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """Token-aligned [B, S] log-probs and entropies of ``batch["input_ids"]`` (forward only)."""
+        if self.role == "critic":
+            raise RuntimeError("the critic has a value head, not a vocabulary: use compute_values")
         parts = self._run_sharded("compute_logprobs", batch.select("input_ids"), temperature)
         return torch.cat([p["logprobs"] for p in parts]), torch.cat([p["entropy"] for p in parts])
 
@@ -72,14 +74,53 @@ class MegatronGroup:
     def update(self, batch: Batch, loss_cfg, temperature: float = 1.0) -> dict[str, float]:
         """One optimizer step on ``batch`` (all of it: the group shards it over DP) with
         ``rlcore.algos.actor_loss``. Returns the metrics summed over micro-batches and DP ranks (the
-        global token-means), ``actor/loss`` and ``actor/grad_norm``."""
-        global_tokens = float(batch["response_mask"].sum())
-        if global_tokens <= 0:
+        global token-means), ``actor/loss`` and ``actor/grad_norm``.
+
+        For the critic ``loss_cfg`` is a ``rlcore.algos.CriticLossConfig`` and the loss is
+        ``rlcore.algos.critic_loss``: ``critic/vf_loss``, ``critic/vf_clipfrac``, ``critic/vpred_mean``,
+        ``critic/loss`` and ``critic/grad_norm``."""
+        if self.role == "critic":
+            return self._update_critic(batch, loss_cfg)
+        if float(batch["response_mask"].sum()) <= 0:
             raise ValueError(f"{self.role} update: the batch has no response tokens (response_mask is all 0)")
-        parts = self._run_sharded("update", batch, loss_cfg, global_tokens, temperature)
+        if "loss_weights" not in batch:
+            raise ValueError(f"{self.role} update: the batch has no 'loss_weights' (set batch['loss_weights'] = "
+                             "rlcore.algos.loss_weights(response_mask, loss_agg_mode, max_response_length) on the "
+                             "whole mini-batch before the update)")
+        parts = self._run_sharded("update", batch, loss_cfg, temperature)
         metrics = {k: sum(p["sums"][k] for p in parts) for k in parts[0]["sums"]}
         metrics["actor/grad_norm"] = parts[0]["grad_norm"]  # the global norm: the same on every rank
         return metrics
+
+    # ------------------------------------------------------------------------------------- critic
+    def compute_values(self, batch: Batch) -> torch.Tensor:
+        """The critic's token-aligned [B, S] values of ``batch["input_ids"]`` (forward only):
+        ``values[:, t]`` is the value of the state before token t; position 0 holds 0."""
+        if self.role != "critic":
+            raise RuntimeError(f"compute_values needs the critic; this group is the {self.role}")
+        return torch.cat(self._run_sharded("compute_values", batch.select("input_ids")))
+
+    def _update_critic(self, batch: Batch, loss_cfg) -> dict[str, float]:
+        # Only what critic_loss reads travels to the workers.
+        needed = batch.select("input_ids", "response_mask", "returns", "old_values", "loss_weights")
+        parts = self._run_sharded("update_values", needed, loss_cfg)
+        metrics = {k: sum(p["sums"][k] for p in parts) for k in parts[0]["sums"]}
+        metrics["critic/grad_norm"] = parts[0]["grad_norm"]  # the global norm: the same on every rank
+        return metrics
+
+    # ------------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, path: str) -> None:
+        """Writes this role's megatron-core distributed checkpoint (model, and optimizer + lr scheduler
+        when it trains) into the folder ``path``; every rank writes its shards."""
+        import ray
+
+        ray.get([w.save_checkpoint.remote(path) for w in self.workers])
+
+    def load_checkpoint(self, path: str, with_optimizer: bool = True) -> None:
+        """Loads a checkpoint written by ``save_checkpoint`` under any TP/PP layout into this group."""
+        import ray
+
+        ray.get([w.load_checkpoint.remote(path, with_optimizer) for w in self.workers])
 
     # ------------------------------------------------------------------------------ full weights
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
@@ -117,15 +158,22 @@ class MegatronGroup:
         self._weight_sync_ready = True
         return refs
 
-    def send_weights(self) -> list:
+    def send_weights(self, with_checksums: bool = False) -> list:
         """Broadcasts every stage's buckets over its weight-sync group (stages in parallel; every rank
-        takes part in its TP gathers). Returns the refs to ray.get together with the receivers."""
+        takes part in its TP gathers). Returns the refs to ray.get together with the receivers: the
+        stage senders' stats (with ``checksums`` of what they sent when asked), None for other ranks."""
         # Checked here, not on the senders: a sender that refused would leave its TP peers waiting
         # in their all-gathers.
         if not self._weight_sync_ready:
             raise RuntimeError(f"{self.role}: weight sync is not set up; call weight_sync_plans(), "
                                f"weight_sync_endpoints() and init_weight_sync() first")
-        return [w.send_weights.remote() for w in self.workers]
+        return [w.send_weights.remote(with_checksums) for w in self.workers]
+
+    def peak_memory_mb(self) -> list[float]:
+        """Each rank's peak resident memory (MiB), in rank order."""
+        import ray
+
+        return ray.get([w.peak_memory_mb.remote() for w in self.workers])
 
     def shutdown(self) -> None:
         import ray

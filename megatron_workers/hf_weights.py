@@ -14,6 +14,8 @@ Megatron layouts that differ from HF:
 - With tied embeddings and PP > 1 the last stage holds its own copy of the embedding as
   ``output_layer.weight``: it is loaded from ``model.embed_tokens.weight`` and not exported (the
   first stage exports the embedding; HF has no ``lm_head.weight`` for a tied model).
+- The critic's value model (value_head.py) has a replicated ``output_layer`` = HF ``score``; an actor
+  checkpoint has no ``score.weight`` (its ``lm_head.weight`` is ignored), so the head is optional.
 """
 from __future__ import annotations
 
@@ -58,14 +60,21 @@ class ParamMapping:
     kind: str
     hf_names: tuple[str, ...]
     exported: bool = True  # False: a copy another stage exports (the tied embedding's last-stage copy)
+    optional: bool = False  # True: a checkpoint without it leaves the initial value (the value head)
 
 
 def param_mappings(model, hf: HFModelSpec) -> list[ParamMapping]:
     """The mapping of every parameter of this rank's (unwrapped) GPTModel, in parameter order."""
+    from .value_head import HF_BIAS, HF_WEIGHT, is_value_model
+
     layers = {str(i): layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
+    value_model = is_value_model(model)
     out = []
     for name, _ in model.named_parameters():
-        if name == "embedding.word_embeddings.weight":
+        if value_model and name in ("output_layer.weight", "output_layer.bias"):
+            hf_name = HF_WEIGHT if name == "output_layer.weight" else HF_BIAS
+            out.append(ParamMapping(name, REPLICATED, (hf_name,), optional=True))
+        elif name == "embedding.word_embeddings.weight":
             out.append(ParamMapping(name, COLUMN, ("model.embed_tokens.weight",)))
         elif name == "output_layer.weight":
             if hf.tie_word_embeddings:  # the last stage's copy of the embedding (PP > 1)
@@ -120,6 +129,9 @@ class _SafetensorsCheckpoint:
         self._path, self._weight_map, self._files = model_path, weight_map, {}
         self._safe_open = safe_open
 
+    def __contains__(self, name: str) -> bool:
+        return name in self._weight_map
+
     def slice(self, name: str, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
         """``tensor[start:end]`` along ``dim`` (the whole tensor when ``dim`` is None), reading only that."""
         if name not in self._weight_map:
@@ -169,6 +181,8 @@ def load_hf_weights(model, hf: HFModelSpec, model_path: str) -> None:
     ckpt = _SafetensorsCheckpoint(model_path)
     params = dict(model.named_parameters())
     for m in param_mappings(model, hf):
+        if m.optional and not all(n in ckpt for n in m.hf_names):
+            continue
         param = params[m.megatron_name]
         shard = _hf_to_shard(ckpt, m, hf, tuple(param.shape), tp_rank, tp_size)
         if tuple(shard.shape) != tuple(param.shape):

@@ -16,7 +16,9 @@ import torch
 
 PROFILES = ("cpu", "gpu")
 MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+# *ForTokenClassification: a critic checkpoint (value_head.py), the same body with a scalar head.
+SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama",
+                           "Qwen2ForTokenClassification": "qwen2", "LlamaForTokenClassification": "llama"}
 
 # The llama3 RoPE scaling megatron-core implements has these constants built in
 # (models/common/embeddings/rotary_pos_embedding.py:_apply_scaling); other values are refused.
@@ -185,11 +187,14 @@ def layer_spec(profile: str):
     return get_gpt_layer_local_spec(normalization="RMSNorm")
 
 
-def build_gpt_model(hf: HFModelSpec, config, profile: str):
+def build_gpt_model(hf: HFModelSpec, config, profile: str, value_head_seed: int | None = None):
     """This rank's pipeline stage of the GPTModel (parallel_state must be initialised).
 
     ``parallel_output=True``: the last stage returns vocab-parallel logits [b, s, vocab / TP], which
-    ``logprobs.vocab_parallel_logprobs`` consumes without gathering the vocabulary."""
+    ``logprobs.vocab_parallel_logprobs`` consumes without gathering the vocabulary.
+
+    ``value_head_seed`` given: the critic's value model, whose last stage returns values [b, s, 1]
+    from a ``value_head.ValueHead`` (initialised from that seed) instead of the vocabulary projection."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -201,11 +206,17 @@ def build_gpt_model(hf: HFModelSpec, config, profile: str):
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         parallel_output=True,
-        share_embeddings_and_output_weights=hf.tie_word_embeddings,
+        share_embeddings_and_output_weights=hf.tie_word_embeddings and value_head_seed is None,
         position_embedding_type="rope",
         rotary_percent=1.0,
         rotary_base=hf.rope_theta,
         rope_scaling=hf.rope_scaling_factor is not None,
         rope_scaling_factor=hf.rope_scaling_factor or 8.0,
     )
+    if value_head_seed is not None and parallel_state.is_pipeline_last_stage():
+        from .value_head import ValueHead
+
+        # GPTModel has no switch for its output layer; the vocabulary projection it built is dropped
+        # here (a transient [vocab / TP, hidden] allocation).
+        model.output_layer = ValueHead(config, value_head_seed)
     return model  # on the gpu profile megatron allocated it on the current device already

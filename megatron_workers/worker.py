@@ -1,4 +1,4 @@
-"""One rank of a Megatron role (actor, reference): a plain class that ``group.MegatronGroup`` hosts
+"""One rank of a Megatron role (actor, critic, reference): a plain class that ``group.MegatronGroup`` hosts
 in a Ray actor.
 
 The rank joins a gloo (cpu profile) or NCCL (gpu profile) world of TP x PP x DP ranks, builds its PP
@@ -20,7 +20,7 @@ import torch
 from rlcore.batch import Batch
 from rlcore.config import OptimConfig
 
-TRAINABLE_ROLES = ("actor",)
+TRAINABLE_ROLES = ("actor", "critic")  # critic: the value model of value_head.py
 FORWARD_ONLY_ROLES = ("reference",)
 
 
@@ -107,7 +107,9 @@ class MegatronWorker:
 
         self.hf = read_hf_config(self.model_path)
         self.config = transformer_config(self.hf, self.profile, self.dtype, self.tp, self.pp)
-        self.model = build_gpt_model(self.hf, self.config, self.profile)  # unwrapped: names map to HF
+        # unwrapped: names map to HF. The critic is the same GPTModel ending in a scalar value head.
+        self.model = build_gpt_model(self.hf, self.config, self.profile,
+                                     value_head_seed=self.seed if self.role == "critic" else None)
         load_hf_weights(self.model, self.hf, self.model_path)
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -154,6 +156,13 @@ class MegatronWorker:
 
     def coords(self) -> dict:
         return dict(rank=self.rank, tp_rank=self.tp_rank, pp_rank=self.pp_rank, dp_rank=self.dp_rank)
+
+    @staticmethod
+    def peak_memory_mb() -> float:
+        """This process's peak resident memory so far (MiB; ru_maxrss is KiB on Linux), for the bench."""
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     # ------------------------------------------------------------------------ forward / backward
     def _micro_batches(self, batch: Batch) -> list[Batch]:
@@ -211,7 +220,7 @@ class MegatronWorker:
             return None
         return {k: torch.cat([o[k] for o in outputs]).cpu() for k in ("logprobs", "entropy")}
 
-    def update(self, batch: Batch, loss_cfg, global_tokens: float, temperature: float = 1.0) -> dict | None:
+    def update(self, batch: Batch, loss_cfg, temperature: float = 1.0) -> dict | None:
         """One optimizer step on this rank's DP shard with ``rlcore.algos.actor_loss`` as the loss.
 
         Returns, on the last PP stage's TP rank 0, ``{"sums": metrics summed over this shard's
@@ -224,8 +233,8 @@ class MegatronWorker:
         if not self.trainable:
             raise RuntimeError(f"role {self.role!r} is forward-only: it has no optimizer")
         micro_batches = self._micro_batches(batch)
-        # actor_loss returns this micro-batch's share of the global token-mean (sum / global_tokens),
-        # and the update must follow the gradient of the SUM of those shares over all micro-batches
+        # actor_loss returns this micro-batch's share of the global aggregate (sum(x * loss_weights), the
+        # weights computed over the whole batch by the controller), and the update must follow the gradient of the SUM of those shares over all micro-batches
         # and DP ranks. Verified in megatron-core 0.16.1: for a 2-tuple (loss, metrics) the schedule
         # divides the loss by num_microbatches before backward (pipeline_parallel/schedules.py:263-269,
         # forward_step_calc_loss; cp size is 1), and DDP pre-scales gradients by 1/DP before summing
@@ -237,9 +246,15 @@ class MegatronWorker:
         def loss_func(micro_batch, output):
             logprobs, entropy = token_logprobs_and_entropy(output, micro_batch["input_ids"], temperature,
                                                            self.tp_group)
-            loss, metrics = actor_loss(logprobs, entropy, micro_batch, loss_cfg, global_tokens)
+            loss, metrics = actor_loss(logprobs, entropy, micro_batch, loss_cfg)
             return loss * grad_scale, {"actor/loss": loss.detach(), **metrics}
 
+        return self._optimizer_step(micro_batches, loss_func)
+
+    def _optimizer_step(self, micro_batches: list[Batch], loss_func) -> dict | None:
+        """Forward-backward over ``micro_batches`` with the loss hook ``loss_func(micro_batch, output)
+        -> (scaled loss, metrics)``, then one optimizer step. Returns ``{"sums": each metric summed
+        over the micro-batches, "grad_norm"}`` on the last PP stage's TP rank 0, None elsewhere."""
         self.ddp_model.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self._run_schedule(micro_batches, loss_func, forward_only=False)
@@ -254,6 +269,108 @@ class MegatronWorker:
             return None
         sums = {k: float(sum(o[k] for o in outputs)) for k in outputs[0]}
         return {"sums": sums, "grad_norm": grad_norm}
+
+    # ---------------------------------------------------------------------------------- critic
+    def _require_critic(self, what: str) -> None:
+        if self.role != "critic":
+            raise RuntimeError(f"{what} needs the critic's value model; role {self.role!r} has none")
+
+    def compute_values(self, batch: Batch) -> torch.Tensor | None:
+        """Token-aligned [b, S] values of this rank's DP shard (forward only; value_head.token_values).
+
+        Returned by the last PP stage's TP rank 0 (on the CPU); None on every other rank."""
+        from .value_head import token_values
+
+        self._require_critic("compute_values")
+
+        def collect(micro_batch, output, non_loss_data=True):
+            return token_values(output)
+
+        self.forward_model.eval()
+        with torch.no_grad():
+            outputs = self._run_schedule(self._micro_batches(batch), collect, forward_only=True)
+        self.forward_model.train()
+        if not (self.is_last_stage and self.tp_rank == 0):
+            return None
+        return torch.cat(outputs).cpu()
+
+    def update_values(self, batch: Batch, loss_cfg) -> dict | None:
+        """One critic optimizer step on this rank's DP shard with ``rlcore.algos.critic_loss`` (a
+        ``CriticLossConfig``) as the loss hook; returns as ``update``."""
+        from rlcore.algos import critic_loss
+
+        from .value_head import token_values
+
+        self._require_critic("update_values")
+        micro_batches = self._micro_batches(batch)
+        # critic_loss returns this micro-batch's share of the global aggregate (its loss_weights sum
+        # to 1 over the whole batch); the schedule's 1/num_microbatches and DDP's 1/DP are cancelled
+        # as in update().
+        grad_scale = len(micro_batches) * self.dp
+
+        def loss_func(micro_batch, output):
+            loss, metrics = critic_loss(token_values(output), micro_batch, loss_cfg)
+            return loss * grad_scale, {"critic/loss": loss.detach(), **metrics}
+
+        return self._optimizer_step(micro_batches, loss_func)
+
+    # ------------------------------------------------------------------------------ checkpoints
+    # megatron-core's distributed checkpoint of this role's model (+ optimizer + lr scheduler when the
+    # role trains). Every tensor is saved with its global shape and offsets, so a checkpoint loads
+    # under another TP/PP/DP layout. The optimizer state follows the model's sharding: the plain
+    # optimizer keys its exp_avg/exp_avg_sq by the parameter's sharded key, and the distributed
+    # optimizer is saved in the "fully_reshardable" format (gathered per parameter like the plain one;
+    # 0.16.1's torch_dist refuses the flattened "fully_sharded_model_space" format).
+    # "mem_efficient" gathers the distributed optimizer's state over the gloo DP group (megatron's
+    # other path moves it to CUDA, which the cpu profile lacks) onto DP rank 0, which writes it.
+    _OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
+                       "distrib_optim_fully_reshardable_mem_efficient": True,
+                       "chained_optim_avoid_prefix": True}
+
+    def _checkpoint_state(self, is_loading: bool, with_optimizer: bool) -> dict:
+        model_state = self.model.sharded_state_dict()
+        state = {"model": model_state}
+        if with_optimizer and getattr(self, "optimizer", None) is not None:
+            if is_loading:
+                # A distributed optimizer that has not stepped has no state to load into (its
+                # state_dict() asserts on the Adam step): megatron's own remedy, a zero-gradient step
+                # whose state the load then overwrites (the weights are loaded after it).
+                from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+                for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                    if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
+                        opt._init_optimizer_states_with_dummy_values()
+            state["optimizer"] = self.optimizer.sharded_state_dict(model_state, is_loading=is_loading,
+                                                                   metadata=dict(self._OPTIM_METADATA))
+            state["lr_scheduler"] = self.lr_scheduler.state_dict()
+        return state
+
+    def save_checkpoint(self, path: str) -> None:
+        """Writes this role's distributed checkpoint into the folder ``path`` (every rank at once)."""
+        from megatron.core import dist_checkpointing, parallel_state
+        from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+        os.makedirs(path, exist_ok=True)
+        strategy = get_default_save_sharded_strategy()  # torch_dist
+        if self.dp > 1:  # DP replicas share the writing instead of replica 0 writing everything
+            strategy = FullyParallelSaveStrategyWrapper(
+                strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
+        dist_checkpointing.save(self._checkpoint_state(False, True), path, sharded_strategy=strategy)
+
+    def load_checkpoint(self, path: str, with_optimizer: bool = True) -> None:
+        """Loads this role's distributed checkpoint from ``path`` into this rank's shards (any layout
+        the checkpoint was saved under); the optimizer and lr scheduler too when ``with_optimizer``."""
+        from megatron.core import dist_checkpointing
+
+        with_optimizer = with_optimizer and getattr(self, "optimizer", None) is not None
+        loaded = dist_checkpointing.load(self._checkpoint_state(True, with_optimizer), path)
+        self.model.load_state_dict(loaded["model"], strict=True)
+        if with_optimizer:
+            self.optimizer.load_state_dict(loaded["optimizer"])
+            self.lr_scheduler.load_state_dict(loaded["lr_scheduler"])
+        elif getattr(self, "optimizer", None) is not None:
+            self.optimizer.reload_model_params()  # the optimizer's main params follow the new weights
 
     # ----------------------------------------------------------------------------- full weights
     @property
@@ -308,39 +425,25 @@ class MegatronWorker:
                                            backend="nccl" if self.profile == "gpu" else "gloo",
                                            device=self.device)
 
-    def send_weights(self) -> None:
-        """Broadcasts this stage's weights bucket by bucket (sender), or takes part in the TP gathers
-        that produce them (the sender's TP peers). DP replicas other than 0 have nothing to do.
-
-        Extra memory on the sender: the tensors of the bucket being filled plus one flat buffer."""
-        from rlcore.weight_sync import DTYPES, pack
+    def send_weights(self, with_checksums: bool = False) -> dict | None:
+        """Broadcasts this stage's weights bucket by bucket (sender; ``rlcore.weight_sync.send_buckets``:
+        cast to the wire dtype, double-buffered, at most two buckets of extra memory), or takes part
+        in the TP gathers that produce them (the sender's TP peers). DP replicas other than 0 have
+        nothing to do. Returns the sender's stats (and checksums of what it sent with
+        ``with_checksums``); None on the other ranks."""
+        from rlcore.weight_sync import send_buckets
 
         from .hf_weights import iter_hf_tensors
 
         if self.dp_rank != 0:
-            return
+            return None
         tensors = iter_hf_tensors(self.model, self.hf)
         if not self.is_stage_sender:
             for _ in tensors:  # the TP all-gathers run in lock-step with the sender's
                 pass
-            return
+            return None
         if self._sync_plan is None or self._sync_group is None:
             raise RuntimeError("weight sync is not set up: call weight_sync_plan() and init_weight_sync()")
-        # One flat buffer per wire dtype, sized for the largest bucket and reused: the plan is fixed.
-        sizes: dict[str, int] = {}
-        for bucket in self._sync_plan:
-            sizes[bucket.dtype] = max(sizes.get(bucket.dtype, 0), bucket.numel)
-        buffers = {d: torch.empty(n, dtype=DTYPES[d], device=self.device) for d, n in sizes.items()}
-        for bucket in self._sync_plan:
-            pending = {}
-            for spec in bucket.tensors:
-                name, tensor = next(tensors)
-                if name != spec.name:
-                    raise RuntimeError(f"weight sync: the model yields {name!r} where the plan has {spec.name!r}")
-                pending[name] = tensor
-            flat = pack(bucket, pending, out=buffers[bucket.dtype][:bucket.numel])
-            del pending
-            self._sync_group.broadcast(flat, src=0)
-        leftover = next(tensors, None)
-        if leftover is not None:
-            raise RuntimeError(f"weight sync: the model yields {leftover[0]!r}, which the plan lacks")
+        stats = send_buckets(self._sync_group, self._sync_plan, tensors, self.device, with_checksums)
+        stats["pp_rank"] = self.pp_rank
+        return stats

@@ -1,21 +1,82 @@
-"""Advantage estimators, KL estimators, policy losses and loss aggregation: plain torch.
+"""Advantage estimators, KL estimators and controllers, policy and value losses, loss aggregation and
+the DAPO / rollout-correction pieces: plain torch on small CPU tensors, unit-testable without a model.
 
-Loss normalisation contract (why the numbers are right under any micro-batching, DP or PP split):
-the controller counts the loss denominator over the *global* batch (``global_tokens``) before the
-update; every micro-batch returns ``sum(per_token_loss * mask) / global_tokens``. Summing those
-contributions over micro-batches and DP ranks gives exactly the token-mean over the global batch, and
-so does its gradient. Metrics use the same contract, so they are additive across micro-batches and
-ranks too.
+Token alignment (``rlcore/batch.py``): every per-token tensor is [B, S] over the whole right-padded
+prompt+response row; ``response_mask`` is 1 on response tokens and everything here is 0 elsewhere.
+
+Loss normalisation contract (why the numbers are right under any micro-batch, DP or PP split): the
+controller computes per-token ``loss_weights`` (``loss_weights()``) once over the WHOLE (mini-)batch
+before it is sharded, and every micro-batch returns ``sum(per_token_loss * loss_weights)``. The
+aggregate is a plain sum, so summing the micro-batches' contributions over micro-batches and DP ranks
+gives exactly the global aggregate of the chosen ``loss_agg_mode``, and so does its gradient. Metrics
+follow the same contract, so they are additive across micro-batches and ranks too.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, fields
+from typing import Callable, Optional
 
 import torch
 
+
+# ------------------------------------------------------------------------------------ aggregation
+def _seq_norm(response_mask: torch.Tensor) -> torch.Tensor:
+    return response_mask / (response_mask.sum(-1, keepdim=True) > 0).sum().clamp(min=1)
+
+
+AGG_MODES: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
+    # every response token of the batch counts the same
+    "token-mean": lambda m, L: m / m.sum().clamp(min=1),
+    # a sequence counts by its summed token losses, the batch by the mean over sequences
+    "seq-mean-token-sum": lambda m, L: _seq_norm(m),
+    # every sequence counts the same whatever its length (the GRPO paper's)
+    "seq-mean-token-mean": lambda m, L: _seq_norm(m) / m.sum(-1, keepdim=True).clamp(min=1),
+    # Dr. GRPO: token sums divided by a constant (the longest response allowed), no length bias
+    "seq-mean-token-sum-norm": lambda m, L: _seq_norm(m) / L,
+}
+
+
+def loss_weights(response_mask: torch.Tensor, mode: str, norm_length: int) -> torch.Tensor:
+    """Per-token weights [B, S] whose weighted sum ``(x * w).sum()`` over the whole batch is the
+    ``mode`` aggregate of ``x``; 0 outside ``response_mask``. Compute it on the whole (mini-)batch
+    before splitting it (see the module docstring). ``norm_length`` is ``rollout.max_response_length``
+    (used by seq-mean-token-sum-norm only). Rows without response tokens get weight 0 and are not
+    counted as sequences."""
+    if mode not in AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {mode!r}; expected one of {', '.join(AGG_MODES)}")
+    mask = response_mask.float()
+    return AGG_MODES[mode](mask, norm_length)
+
+
+def aggregate(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """This micro-batch's share of the global aggregate: ``sum(values * weights)``."""
+    return (values * weights).sum()
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) over the masked entries (unbiased variance, as verl), 0 elsewhere."""
+    n = mask.sum()
+    mean = (x * mask).sum() / n.clamp(min=1)
+    var = (((x - mean) * mask) ** 2).sum() / (n - 1).clamp(min=1)
+    return (x - mean) * torch.rsqrt(var + eps) * mask
+
+
 # --------------------------------------------------------------------------------------- advantages
-ADV_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {}
+@dataclass
+class AdvantageInputs:
+    token_rewards: torch.Tensor  # [N, S]: the score on the last response token, plus any per-token KL penalty
+    response_mask: torch.Tensor  # [N, S]
+    group_index: torch.Tensor  # [N] long: samples of the same prompt share an index
+    values: Optional[torch.Tensor] = None  # [N, S] critic values, token-aligned (gae)
+    baseline_scores: Optional[torch.Tensor] = None  # [N] score of the greedy response to the same prompt (remax)
+
+
+AdvantageFn = Callable[[AdvantageInputs, float, float, bool], tuple[torch.Tensor, torch.Tensor]]
+ADV_ESTIMATORS: dict[str, AdvantageFn] = {}
+NEEDS_CRITIC = {"gae"}
+NEEDS_BASELINE_ROLLOUT = {"remax"}
+# Estimators whose baseline is the other samples of the same prompt: they need rollout.n >= 2.
+NEEDS_GROUPS = {"grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline"}
 
 
 def register_adv_estimator(name: str):
@@ -26,7 +87,43 @@ def register_adv_estimator(name: str):
     return deco
 
 
-@register_adv_estimator("grpo")
+def compute_advantages(estimator: str, inputs: AdvantageInputs, gamma: float = 1.0, lam: float = 1.0,
+                       norm_adv_by_std: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages [N, S], returns [N, S]) of ``estimator``, both 0 outside ``response_mask``.
+
+    Outcome estimators (grpo, drgrpo, rloo, reinforce_plus_plus_baseline, remax) use each sample's
+    score = the sum of its token rewards, and return returns == advantages (no critic to train)."""
+    if estimator not in ADV_ESTIMATORS:
+        raise ValueError(f"unknown adv_estimator {estimator!r}; expected one of {', '.join(ADV_ESTIMATORS)}")
+    if estimator in NEEDS_CRITIC and inputs.values is None:
+        raise ValueError(f"adv_estimator {estimator!r} needs the critic's values (AdvantageInputs.values)")
+    if estimator in NEEDS_BASELINE_ROLLOUT and inputs.baseline_scores is None:
+        raise ValueError(f"adv_estimator {estimator!r} needs the greedy baseline's scores "
+                         "(AdvantageInputs.baseline_scores)")
+    return ADV_ESTIMATORS[estimator](inputs, gamma, lam, norm_adv_by_std)
+
+
+def last_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """[N, S] token rewards holding each sample's scalar score on its last response token."""
+    mask = response_mask.float()
+    positions = torch.arange(mask.shape[1]).expand_as(mask)
+    last = torch.where(mask > 0, positions, -1).max(dim=1).values  # -1: no response token
+    out = torch.zeros_like(mask)
+    has = last >= 0
+    out[has.nonzero().squeeze(-1), last[has]] = scores.float()[has]
+    return out
+
+
+def _group_stats(scores: torch.Tensor, group_index: torch.Tensor):
+    """(count, mean, unbiased std) of each sample's group, each [N]."""
+    _, inv = torch.unique(group_index, return_inverse=True)
+    n_groups = int(inv.max()) + 1 if inv.numel() else 0
+    count = torch.zeros(n_groups).index_add_(0, inv, torch.ones_like(scores))
+    mean = torch.zeros(n_groups).index_add_(0, inv, scores) / count
+    var = torch.zeros(n_groups).index_add_(0, inv, (scores - mean[inv]) ** 2) / (count - 1).clamp(min=1)
+    return count[inv], mean[inv], var.sqrt()[inv]
+
+
 def grpo_advantages(scores: torch.Tensor, group_index: torch.Tensor, norm_by_std: bool = True,
                     eps: float = 1e-6) -> torch.Tensor:
     """Group-relative advantage of each sample: (score - group mean) / (group std + eps).
@@ -36,20 +133,111 @@ def grpo_advantages(scores: torch.Tensor, group_index: torch.Tensor, norm_by_std
     sample gets advantage 0.
     """
     scores = scores.float()
-    _, inv = torch.unique(group_index, return_inverse=True)
-    n_groups = int(inv.max()) + 1 if inv.numel() else 0
-    count = torch.zeros(n_groups).index_add_(0, inv, torch.ones_like(scores))
-    mean = torch.zeros(n_groups).index_add_(0, inv, scores) / count
-    centred = scores - mean[inv]
-    if not norm_by_std:
-        return centred
-    var = torch.zeros(n_groups).index_add_(0, inv, centred ** 2) / (count - 1).clamp(min=1)
-    std = var.sqrt()
-    adv = centred / (std[inv] + eps)
-    return torch.where(count[inv] > 1, adv, torch.zeros_like(adv))
+    count, mean, std = _group_stats(scores, group_index)
+    adv = scores - mean
+    if norm_by_std:
+        adv = adv / (std + eps)
+    return torch.where(count > 1, adv, torch.zeros_like(adv))
+
+
+def _scores(inputs: AdvantageInputs) -> torch.Tensor:
+    return (inputs.token_rewards * inputs.response_mask).sum(-1).float()
+
+
+def _per_token(per_sample: torch.Tensor, inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    adv = per_sample[:, None] * inputs.response_mask
+    return adv, adv.clone()
+
+
+@register_adv_estimator("gae")
+def gae_advantages(inputs: AdvantageInputs, gamma: float, lam: float, norm_adv_by_std: bool):
+    """Generalised advantage estimation over the response tokens, then whitened over the batch.
+
+    delta_t = r_t + gamma V_{t+1} - V_t (V after the last response token is 0), A_t = sum_k (gamma
+    lam)^k delta_{t+k}; returns = A + V (before whitening) are the critic's targets."""
+    mask = inputs.response_mask.float()
+    values = inputs.values.float() * mask
+    rewards = inputs.token_rewards.float() * mask
+    n, s = mask.shape
+    adv = torch.zeros_like(mask)
+    next_value = torch.zeros(n)
+    next_adv = torch.zeros(n)
+    for t in reversed(range(s)):  # non-response positions carry the running values through unchanged
+        m = mask[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        a = delta + gamma * lam * next_adv
+        adv[:, t] = a * m
+        next_value = values[:, t] * m + next_value * (1 - m)
+        next_adv = a * m + next_adv * (1 - m)
+    returns = (adv + values) * mask
+    return masked_whiten(adv, mask), returns
+
+
+@register_adv_estimator("grpo")
+def _grpo(inputs: AdvantageInputs, gamma: float, lam: float, norm_adv_by_std: bool):
+    """(score - group mean) / (group std + eps); ``algorithm.norm_adv_by_std=false`` drops the std."""
+    return _per_token(grpo_advantages(_scores(inputs), inputs.group_index, norm_adv_by_std), inputs)
+
+
+@register_adv_estimator("drgrpo")
+def _drgrpo(inputs: AdvantageInputs, gamma: float, lam: float, norm_adv_by_std: bool):
+    """Dr. GRPO: score - group mean, never divided by the std (pair with seq-mean-token-sum-norm)."""
+    return _per_token(grpo_advantages(_scores(inputs), inputs.group_index, norm_by_std=False), inputs)
+
+
+@register_adv_estimator("rloo")
+def _rloo(inputs: AdvantageInputs, gamma: float, lam: float, norm_adv_by_std: bool):
+    """REINFORCE leave-one-out: score - mean of the OTHER samples of the group = n/(n-1) (score - mean)."""
+    scores = _scores(inputs)
+    count, mean, _ = _group_stats(scores, inputs.group_index)
+    adv = (scores - mean) * count / (count - 1).clamp(min=1)
+    return _per_token(torch.where(count > 1, adv, torch.zeros_like(adv)), inputs)
+
+
+def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = r_t + gamma G_{t+1} over the response tokens of each row (0 elsewhere)."""
+    mask = mask.float()
+    rewards = token_rewards.float() * mask
+    out = torch.zeros_like(rewards)
+    running = torch.zeros(rewards.shape[0])
+    for t in reversed(range(rewards.shape[1])):
+        m = mask[:, t]
+        g = rewards[:, t] + gamma * running
+        out[:, t] = g * m
+        running = g * m + running * (1 - m)
+    return out
+
+
+@register_adv_estimator("reinforce_plus_plus")
+def _reinforce_pp(inputs: AdvantageInputs, gamma: float, lam: float, norm_adv_by_std: bool):
+    """REINFORCE++: token-level discounted returns (per-token KL penalty included), whitened over the batch."""
+    returns = discounted_returns(inputs.token_rewards, inputs.response_mask, gamma)
+    return masked_whiten(returns, inputs.response_mask.float()), returns
+
+
+@register_adv_estimator("reinforce_plus_plus_baseline")
+def _reinforce_pp_baseline(inputs: AdvantageInputs, gamma: float, lam: float, norm_adv_by_std: bool):
+    """REINFORCE++ with baseline: score - group mean on every response token, whitened over the batch."""
+    scores = _scores(inputs)
+    _, mean, _ = _group_stats(scores, inputs.group_index)
+    mask = inputs.response_mask.float()
+    adv = masked_whiten((scores - mean)[:, None] * mask, mask)
+    return adv, adv.clone()
+
+
+@register_adv_estimator("remax")
+def _remax(inputs: AdvantageInputs, gamma: float, lam: float, norm_adv_by_std: bool):
+    """ReMax: reward-to-go minus the reward of the greedy response to the same prompt."""
+    mask = inputs.response_mask.float()
+    to_go = (inputs.token_rewards.float() * mask).flip(-1).cumsum(-1).flip(-1)
+    adv = (to_go - inputs.baseline_scores.float()[:, None]) * mask
+    return adv, adv.clone()
 
 
 # --------------------------------------------------------------------------------------------- KL
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1/k2/k3).
 
@@ -63,33 +251,85 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = 
         # Clamped as verl does: a huge exp() from one far-off token would swamp the batch.
         neg = (-log_ratio).clamp(-20.0, 20.0)
         return (neg.exp() - neg - 1.0).clamp(-10.0, 10.0)
-    raise ValueError(f"unknown KL estimator {kind!r}; expected one of k1, k2, k3")
+    raise ValueError(f"unknown KL estimator {kind!r}; expected one of {', '.join(KL_ESTIMATORS)}")
 
 
-# ------------------------------------------------------------------------------------ aggregation
-AGG_MODES = ("token-mean",)
+def apply_kl_penalty(token_rewards: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+                     mask: torch.Tensor, coef: float, kind: str = "k1") -> tuple[torch.Tensor, float]:
+    """KL as a reward penalty: (token_rewards - coef * kl on response tokens, mean KL).
+
+    The mean KL (what the adaptive controller tracks) is the mean over sequences of each sequence's
+    token-mean KL."""
+    mask = mask.float()
+    kl = kl_estimate(logprobs, ref_logprobs, kind) * mask
+    lengths = mask.sum(-1)
+    has = lengths > 0
+    per_seq = kl.sum(-1)[has] / lengths[has]
+    mean_kl = float(per_seq.mean()) if per_seq.numel() else 0.0
+    return token_rewards - coef * kl, mean_kl
 
 
-def aggregate(values: torch.Tensor, mask: torch.Tensor, denominator: float, mode: str = "token-mean") -> torch.Tensor:
-    """This micro-batch's share of the global aggregate (see the module docstring)."""
-    if mode == "token-mean":
-        return (values * mask).sum() / denominator
-    raise ValueError(f"unknown loss_agg_mode {mode!r}; expected one of {', '.join(AGG_MODES)}")
+class FixedKLController:
+    """A constant in-reward KL coefficient."""
+
+    def __init__(self, coef: float):
+        self.value = coef
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+
+class AdaptiveKLController:
+    """Ziegler et al. (2019): move the coefficient so the KL tracks ``target``, by at most 20% of
+    ``n_steps / horizon`` per update (``n_steps``: the sequences in the batch just trained on)."""
+
+    def __init__(self, init: float, target: float, horizon: int):
+        self.value, self.target, self.horizon = init, target, horizon
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+
+KL_CONTROLLERS = ("fixed", "adaptive")
+
+
+def kl_controller(kind: str, coef: float, target: float, horizon: int):
+    """The in-reward KL coefficient's controller named by ``algorithm.kl_ctrl.type``."""
+    if kind == "fixed":
+        return FixedKLController(coef)
+    if kind == "adaptive":
+        return AdaptiveKLController(coef, target, horizon)
+    raise ValueError(f"unknown kl_ctrl type {kind!r}; expected one of {', '.join(KL_CONTROLLERS)}")
 
 
 # --------------------------------------------------------------------------------- policy losses
+ROLLOUT_CORRECTIONS = ("none", "tis", "icepop", "seq_mask")
+
+
 @dataclass
 class LossConfig:
+    """The actor loss's knobs: the same names as the ``actor.*`` keys (``rlcore/config.py``)."""
     policy_loss: str = "vanilla"
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0  # dual_clip: the loss of a negative-advantage token is at most -A * c
     entropy_coeff: float = 0.0
     kl_coeff: float = 0.0  # > 0 adds the KL to the reference as a loss term
     kl_estimator: str = "k3"
-    loss_agg_mode: str = "token-mean"
+    rollout_correction: str = "none"  # none | tis | icepop | seq_mask
+    rollout_is_threshold: float = 2.0  # tis: truncate the weight here; icepop/seq_mask: upper bound kept
+    rollout_is_threshold_low: float = 0.5  # icepop/seq_mask: lower bound kept
+
+    @classmethod
+    def from_config(cls, actor) -> "LossConfig":
+        """From an ``ActorConfig`` (or anything with the same attribute names)."""
+        return cls(**{f.name: getattr(actor, f.name) for f in fields(cls) if hasattr(actor, f.name)})
 
 
-POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
+PolicyLossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LossConfig],
+                        tuple[torch.Tensor, dict[str, torch.Tensor]]]
+POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 
 
 def register_policy_loss(name: str):
@@ -100,45 +340,203 @@ def register_policy_loss(name: str):
     return deco
 
 
-@register_policy_loss("vanilla")
-def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                  cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's clipped surrogate, per token: max(-A r, -A clip(r, 1-eps_low, 1+eps_high)).
-
-    Returns (loss [B,S], clipped [B,S] as 0/1 float)."""
-    ratio = torch.exp(logprobs - old_logprobs)
+def _clip_surrogate(ratio, advantages, cfg: LossConfig):
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
     return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
 
 
-def actor_loss(logprobs: torch.Tensor, entropy: torch.Tensor, batch, cfg: LossConfig,
-               global_tokens: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                  cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate, per token: max(-A r, -A clip(r, 1-eps_low, 1+eps_high)).
+
+    Returns (loss [B,S], clipped [B,S] as 0/1 float)."""
+    return _clip_surrogate(torch.exp(logprobs - old_logprobs), advantages, cfg)
+
+
+@register_policy_loss("vanilla")
+def _vanilla(logprobs, old_logprobs, advantages, mask, cfg):
+    """PPO clip with asymmetric clip-low / clip-high (DAPO's clip-higher when high > low)."""
+    loss, clipped = ppo_clip_loss(logprobs, old_logprobs, advantages, cfg)
+    return loss, {"clip_frac": clipped}
+
+
+@register_policy_loss("dual_clip")
+def dual_clip_loss(logprobs, old_logprobs, advantages, mask, cfg):
+    """Dual-clip PPO (Ye et al. 2020): for A < 0 the clipped loss is also bounded above by -A * c, so
+    a huge ratio on a bad token cannot blow up the update."""
+    loss, clipped = ppo_clip_loss(logprobs, old_logprobs, advantages, cfg)
+    bound = -advantages * cfg.clip_ratio_c
+    lower_clipped = ((advantages < 0) & (loss > bound)).float()
+    loss = torch.where(advantages < 0, torch.minimum(loss, bound), loss)
+    return loss, {"clip_frac": clipped, "clip_frac_lower": lower_clipped}
+
+
+@register_policy_loss("gspo")
+def gspo_loss(logprobs, old_logprobs, advantages, mask, cfg):
+    """GSPO (Zheng et al. 2025): one ratio per sequence, s_i = exp(mean_t (logp - old)), clipped as
+    PPO clips. Per token it is written sg(s_i) * pi/sg(pi) (GSPO-token), the same value and gradient,
+    so it fits the per-token aggregation (the paper aggregates with seq-mean-token-mean and uses
+    clip ranges of ~3e-4 / 4e-4)."""
+    mask = mask.float()
+    log_ratio = (logprobs - old_logprobs) * mask
+    seq_log_ratio = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    token_log_ratio = logprobs - logprobs.detach() + seq_log_ratio.detach()
+    ratio = torch.exp(token_log_ratio.clamp(max=10.0))  # the clamp only guards exp() overflow
+    loss, clipped = _clip_surrogate(ratio, advantages, cfg)
+    return loss, {"clip_frac": clipped}
+
+
+@register_policy_loss("cispo")
+def cispo_loss(logprobs, old_logprobs, advantages, mask, cfg):
+    """CISPO (MiniMax-M1): -sg(clip(r, 1-eps_low, 1+eps_high)) * A * logp. The IS weight is clipped,
+    not the token's gradient: every token keeps contributing (MiniMax leaves the low side open: set
+    clip_ratio_low close to 1)."""
+    ratio = torch.exp(logprobs - old_logprobs).detach()
+    weight = ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
+    loss = -weight * advantages * logprobs
+    return loss, {"clip_frac": (weight != ratio).float()}
+
+
+def rollout_correction_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
+                               cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token weights that correct for the rollout engine sampling from a slightly different
+    distribution than the trainer's old policy: (weight [B,S] (no gradient), ratio pi_old/pi_rollout,
+    1 where the token was truncated or masked out).
+
+     - tis:      min(ratio, threshold) per token (truncated importance sampling)
+     - icepop:   1 if low <= ratio <= threshold else 0, per token
+     - seq_mask: 1 for a whole sequence if low <= its geometric-mean ratio <= threshold else 0
+    """
+    mask = mask.float()
+    log_ratio = (old_logprobs - rollout_logprobs).detach() * mask
+    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
+    hi, lo = cfg.rollout_is_threshold, cfg.rollout_is_threshold_low
+    kind = cfg.rollout_correction
+    if kind == "tis":
+        weight = ratio.clamp(max=hi)
+        touched = (ratio > hi).float()
+    elif kind == "icepop":
+        weight = ((ratio >= lo) & (ratio <= hi)).float()
+        touched = 1.0 - weight
+    elif kind == "seq_mask":
+        seq_ratio = torch.exp(log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1))
+        weight = ((seq_ratio >= lo) & (seq_ratio <= hi)).float().expand_as(ratio)
+        touched = 1.0 - weight
+    else:
+        raise ValueError(f"unknown rollout_correction {kind!r}; expected one of {', '.join(ROLLOUT_CORRECTIONS)}")
+    return weight * mask, ratio * mask, touched * mask
+
+
+def actor_loss(logprobs: torch.Tensor, entropy: torch.Tensor, batch, cfg: LossConfig
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The actor's loss for one micro-batch, and its additive metric contributions.
 
     ``logprobs``/``entropy`` [B,S] come from the model being trained (aligned with tokens); ``batch``
-    holds ``response_mask``, ``old_logprobs``, ``advantages`` and, when ``cfg.kl_coeff > 0``,
-    ``ref_logprobs``. ``global_tokens`` is the number of response tokens in the global batch.
+    holds ``response_mask``, ``loss_weights`` (``loss_weights()`` of the whole mini-batch),
+    ``old_logprobs``, ``advantages``; ``ref_logprobs`` when ``cfg.kl_coeff > 0``; ``rollout_logprobs``
+    when ``cfg.rollout_correction != "none"``.
+
+    Metrics are aggregated with the loss's weights too (that keeps them additive): under token-mean
+    and seq-mean-token-mean the fractions (clip_frac, ...) are fractions; under the token-sum modes
+    they are per-sequence sums.
     """
+    if "loss_weights" not in batch:
+        raise KeyError("actor_loss: the batch has no 'loss_weights' (rlcore.algos.loss_weights of the whole "
+                       "mini-batch, computed by the controller before sharding)")
     mask = batch["response_mask"]
+    weights = batch["loss_weights"]
     old = batch["old_logprobs"]
-    pg_mat, clipped = POLICY_LOSSES[cfg.policy_loss](logprobs, old, batch["advantages"], cfg)
+    if cfg.policy_loss not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy_loss {cfg.policy_loss!r}; expected one of {', '.join(POLICY_LOSSES)}")
+    pg_mat, pg_stats = POLICY_LOSSES[cfg.policy_loss](logprobs, old, batch["advantages"], mask, cfg)
 
     def agg(x):
-        return aggregate(x, mask, global_tokens, cfg.loss_agg_mode)
+        return aggregate(x, weights)
+
+    metrics = {}
+    if cfg.rollout_correction != "none":
+        is_weight, is_ratio, touched = rollout_correction_weights(old, batch["rollout_logprobs"], mask, cfg)
+        pg_mat = pg_mat * is_weight
+        metrics["actor/tis_ratio_mean"] = agg(is_ratio).detach()
+        metrics["actor/tis_clip_frac"] = agg(touched).detach()
 
     pg_loss = agg(pg_mat)
     ent = agg(entropy)
     loss = pg_loss - cfg.entropy_coeff * ent
-    metrics = {
+    metrics.update({
         "actor/pg_loss": pg_loss.detach(),
         "actor/entropy": ent.detach(),
-        "actor/clip_frac": agg(clipped).detach(),
         # k1 of old vs new on the sampled tokens, as verl/slime report ppo_kl: 0 on the first step.
         "actor/ppo_kl": agg((old - logprobs).detach()),
-    }
+    })
+    for name, per_token in pg_stats.items():
+        metrics[f"actor/{name}"] = agg(per_token).detach()
     if cfg.kl_coeff > 0:
         kl = agg(kl_estimate(logprobs, batch["ref_logprobs"], cfg.kl_estimator))
         loss = loss + cfg.kl_coeff * kl
         metrics["actor/kl_ref"] = kl.detach()
     return loss, metrics
+
+
+# ----------------------------------------------------------------------------------- value loss
+@dataclass
+class CriticLossConfig:
+    cliprange_value: float = 0.5  # the new value may move at most this far from the old one (per token)
+
+
+def critic_loss(values: torch.Tensor, batch, cfg: CriticLossConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clipped value loss for one micro-batch: 0.5 * max((v - R)^2, (clip(v, v_old +- c) - R)^2),
+    aggregated with ``batch["loss_weights"]`` (additive like ``actor_loss``). ``batch`` holds
+    ``old_values``, ``returns``, ``loss_weights``, ``response_mask``."""
+    weights = batch["loss_weights"]
+    old, returns = batch["old_values"], batch["returns"]
+    clipped_values = old + (values - old).clamp(-cfg.cliprange_value, cfg.cliprange_value)
+    unclipped_loss = (values - returns) ** 2
+    clipped_loss = (clipped_values - returns) ** 2
+    vf_loss = aggregate(0.5 * torch.maximum(unclipped_loss, clipped_loss), weights)
+    metrics = {
+        "critic/vf_loss": vf_loss.detach(),
+        "critic/vf_clipfrac": aggregate((clipped_loss > unclipped_loss).float(), weights).detach(),
+        "critic/vpred_mean": aggregate(values.detach(), weights),
+    }
+    return vf_loss, metrics
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var[R - V] / Var[R] over the masked tokens: 1 is a perfect critic, 0 no better than the
+    mean, negative worse. NaN when the returns do not vary."""
+    mask = mask.float()
+    n = mask.sum()
+    if n == 0:
+        return float("nan")
+
+    def var(x):
+        mean = (x * mask).sum() / n
+        return (((x - mean) * mask) ** 2).sum() / n
+
+    var_returns = var(returns.float())
+    if var_returns == 0:
+        return float("nan")
+    return float(1.0 - var(returns.float() - values.float()) / var_returns)
+
+
+# ------------------------------------------------------------------------------------ DAPO pieces
+def groups_with_variance(scores: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """bool [N]: True for samples whose group's scores are not all equal (DAPO's dynamic sampling keeps
+    those: an all-equal group has zero group-relative advantage and no gradient). A group of one
+    sample is all-equal."""
+    scores = scores.float()
+    _, inv = torch.unique(group_index, return_inverse=True)
+    n_groups = int(inv.max()) + 1 if inv.numel() else 0
+    hi = torch.full((n_groups,), -torch.inf).scatter_reduce(0, inv, scores, "amax")
+    lo = torch.full((n_groups,), torch.inf).scatter_reduce(0, inv, scores, "amin")
+    return (hi > lo)[inv]
+
+
+def overlong_penalty(response_lengths: torch.Tensor, max_len: int, buffer_len: int,
+                     penalty_factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment [N] (<= 0, added to the score): 0 up to max_len - buffer_len,
+    then falling linearly to -penalty_factor at max_len."""
+    exceed = response_lengths.float() - (max_len - buffer_len)
+    return (-exceed / buffer_len * penalty_factor).clamp(max=0.0)

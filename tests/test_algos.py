@@ -1,14 +1,71 @@
-"""Advantage, KL and policy-loss math against hand-computed values, and the loss normalisation
-contract: any micro-batch split of a batch gives the same loss and gradient as one pass."""
+"""Advantage estimators, policy/value losses, KL estimators and controllers, loss aggregation and the
+DAPO / rollout-correction pieces against hand-computed values (with masks and uneven lengths), and
+the loss normalisation contract: any micro-batch split of a batch gives the same loss and gradient."""
 import math
+import statistics
 
 import pytest
 import torch
 
-from rlcore.algos import LossConfig, actor_loss, grpo_advantages, kl_estimate, ppo_clip_loss
+from rlcore.algos import (ADV_ESTIMATORS, AGG_MODES, POLICY_LOSSES, AdaptiveKLController, AdvantageInputs,
+                          CriticLossConfig, FixedKLController, LossConfig, actor_loss, aggregate, apply_kl_penalty,
+                          compute_advantages, critic_loss, explained_variance, groups_with_variance,
+                          grpo_advantages, kl_controller, kl_estimate, last_token_rewards, loss_weights,
+                          overlong_penalty, ppo_clip_loss)
 from rlcore.batch import Batch
+from rlcore.config import ActorConfig
 
 EPS = 1e-6  # grpo_advantages' default epsilon
+
+
+def whiten(values):
+    """Reference whitening of a plain list (unbiased std, as verl's masked_whiten), with statistics."""
+    mean, std = statistics.mean(values), statistics.stdev(values)
+    return [(v - mean) / math.sqrt(std ** 2 + 1e-8) for v in values]
+
+
+def scatter(rows: list[list[float]], masks: list[list[int]]) -> torch.Tensor:
+    """A [N, S] tensor holding each row's values at its mask's 1-positions, 0 elsewhere."""
+    out = torch.zeros(len(masks), len(masks[0]))
+    for i, (vals, m) in enumerate(zip(rows, masks)):
+        out[i, [j for j, x in enumerate(m) if x]] = torch.tensor(vals, dtype=torch.float32)
+    return out
+
+
+def test_names_are_the_ones_users_type():
+    assert sorted(ADV_ESTIMATORS) == sorted(["gae", "grpo", "drgrpo", "rloo", "reinforce_plus_plus",
+                                            "reinforce_plus_plus_baseline", "remax"])
+    assert sorted(POLICY_LOSSES) == ["cispo", "dual_clip", "gspo", "vanilla"]
+    assert list(AGG_MODES) == ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+# ------------------------------------------------------------------------------------ aggregation
+# Prompt at position 0; row 0 has 3 response tokens, row 1 one, row 2 none (e.g. an empty response).
+AGG_MASK = torch.tensor([[0, 1, 1, 1], [0, 0, 1, 0], [0, 0, 0, 0]], dtype=torch.float32)
+
+
+@pytest.mark.parametrize("mode,row0,row1", [
+    ("token-mean", 1 / 4, 1 / 4),  # 4 response tokens
+    ("seq-mean-token-sum", 1 / 2, 1 / 2),  # 2 sequences with tokens (row 2 does not count)
+    ("seq-mean-token-mean", 1 / (3 * 2), 1 / (1 * 2)),  # 1 / (len_i * n_seqs)
+    ("seq-mean-token-sum-norm", 1 / (2 * 5), 1 / (2 * 5)),  # 1 / (n_seqs * norm_length=5)
+])
+def test_loss_weights_hand_computed(mode, row0, row1):
+    w = loss_weights(AGG_MASK, mode, norm_length=5)
+    expected = torch.tensor([[0, row0, row0, row0], [0, 0, row1, 0], [0, 0, 0, 0]])
+    torch.testing.assert_close(w, expected)
+
+
+def test_aggregate_with_seq_mean_token_mean_is_the_mean_of_row_means():
+    x = torch.tensor([[9.0, 1.0, 2.0, 6.0], [9.0, 9.0, 4.0, 9.0], [9.0, 9.0, 9.0, 9.0]])
+    # row means over response tokens: 3 and 4 -> 3.5; masked 9s never count.
+    agg = aggregate(x, loss_weights(AGG_MASK, "seq-mean-token-mean", 5))
+    torch.testing.assert_close(agg, torch.tensor(3.5))
+
+
+def test_unknown_agg_mode_is_an_error():
+    with pytest.raises(ValueError, match="token-mean, seq-mean-token-sum, seq-mean-token-mean"):
+        loss_weights(AGG_MASK, "seq-mean", 5)
 
 
 # --------------------------------------------------------------------------------------- GRPO
@@ -36,6 +93,116 @@ def test_grpo_advantages_group_of_one_gets_zero():
     torch.testing.assert_close(adv[1:], torch.tensor([0.5, -0.5]) / (math.sqrt(0.5) + EPS))
 
 
+# --------------------------------------------------------------------- estimators on token rewards
+# Four samples of two prompts with uneven responses (prompt positions and right padding are 0).
+MASKS = [[0, 1, 1, 1, 0],  # prompt 0, 3 response tokens
+         [0, 0, 1, 0, 0],  # prompt 0, 1 token
+         [0, 1, 1, 0, 0],  # prompt 1, 2 tokens
+         [0, 0, 0, 1, 1]]  # prompt 1, 2 tokens
+MASK = torch.tensor(MASKS, dtype=torch.float32)
+GROUPS = torch.tensor([0, 0, 1, 1])
+SCORES = torch.tensor([1.0, 0.0, 3.0, 2.0])
+
+
+def outcome_inputs(scores=SCORES, **kw) -> AdvantageInputs:
+    return AdvantageInputs(last_token_rewards(scores, MASK), MASK, GROUPS, **kw)
+
+
+def test_last_token_rewards_puts_the_score_on_the_last_response_token():
+    rewards = last_token_rewards(torch.tensor([2.0, 5.0]), torch.tensor([[0, 1, 1, 0], [0, 0, 0, 0.]]))
+    torch.testing.assert_close(rewards, torch.tensor([[0, 0, 2.0, 0], [0, 0, 0, 0]]))
+
+
+def test_grpo_estimator_broadcasts_over_each_response():
+    adv, returns = compute_advantages("grpo", outcome_inputs())
+    # groups (1, 0) and (3, 2): centred +-0.5, unbiased std sqrt(0.5)
+    a = 0.5 / (math.sqrt(0.5) + EPS)
+    torch.testing.assert_close(adv, scatter([[a] * 3, [-a], [a] * 2, [-a] * 2], MASKS))
+    torch.testing.assert_close(returns, adv)
+
+
+@pytest.mark.parametrize("norm_adv_by_std", [True, False])
+def test_drgrpo_never_divides_by_the_std(norm_adv_by_std):
+    adv, _ = compute_advantages("drgrpo", outcome_inputs(), norm_adv_by_std=norm_adv_by_std)
+    torch.testing.assert_close(adv, scatter([[0.5] * 3, [-0.5], [0.5] * 2, [-0.5] * 2], MASKS))
+
+
+def test_rloo_subtracts_the_mean_of_the_other_samples():
+    masks = [[1, 1], [1, 0], [0, 1], [1, 1], [1, 1], [1, 0]]
+    mask = torch.tensor(masks, dtype=torch.float32)
+    scores = torch.tensor([1.0, 2.0, 6.0, 0.0, 1.0, 4.0])
+    groups = torch.tensor([0, 0, 0, 1, 1, 2])  # group 2 is a single sample: no baseline -> 0
+    adv, _ = compute_advantages("rloo", AdvantageInputs(last_token_rewards(scores, mask), mask, groups))
+    # 1 - (2+6)/2 = -3;  2 - (1+6)/2 = -1.5;  6 - (1+2)/2 = 4.5;  0 - 1 = -1;  1 - 0 = 1
+    torch.testing.assert_close(adv, scatter([[-3.0] * 2, [-1.5], [4.5], [-1.0] * 2, [1.0] * 2, [0.0]], masks))
+
+
+def test_reinforce_plus_plus_discounts_token_rewards_and_whitens_over_the_batch():
+    # Row 0: a KL penalty of -0.1 on each of its 3 tokens and the score 1 on the last; row 1: score 2
+    # on its only token. gamma = 0.5 -> returns (right to left) 0.9, -0.1 + 0.5*0.9 = 0.35,
+    # -0.1 + 0.5*0.35 = 0.075.
+    masks = [[0, 1, 1, 1, 0], [0, 0, 1, 0, 0]]
+    mask = torch.tensor(masks, dtype=torch.float32)
+    rewards = scatter([[-0.1, -0.1, 0.9], [2.0]], masks)
+    adv, returns = compute_advantages("reinforce_plus_plus",
+                                      AdvantageInputs(rewards, mask, torch.tensor([0, 1])), gamma=0.5)
+    torch.testing.assert_close(returns, scatter([[0.075, 0.35, 0.9], [2.0]], masks))
+    w = whiten([0.075, 0.35, 0.9, 2.0])
+    torch.testing.assert_close(adv, scatter([w[:3], w[3:]], masks))
+
+
+def test_reinforce_plus_plus_baseline_subtracts_the_group_mean_then_whitens_tokens():
+    adv, returns = compute_advantages("reinforce_plus_plus_baseline", outcome_inputs())
+    # centred scores 0.5, -0.5, 0.5, -0.5 repeated over 3, 1, 2, 2 tokens, whitened over those 8 tokens
+    w = whiten([0.5] * 3 + [-0.5] + [0.5] * 2 + [-0.5] * 2)
+    torch.testing.assert_close(adv, scatter([w[0:3], w[3:4], w[4:6], w[6:8]], MASKS))
+    torch.testing.assert_close(returns, adv)
+
+
+def test_remax_subtracts_the_greedy_baseline_from_the_reward_to_go():
+    rewards = last_token_rewards(SCORES, MASK)
+    rewards[0, 1:4] += -0.1  # a per-token KL penalty on row 0: reward-to-go 0.7, 0.8, 0.9
+    baseline = torch.tensor([0.5, 0.5, 2.0, 2.0])
+    adv, _ = compute_advantages("remax", AdvantageInputs(rewards, MASK, GROUPS, baseline_scores=baseline))
+    torch.testing.assert_close(adv, scatter([[0.2, 0.3, 0.4], [-0.5], [1.0, 1.0], [0.0, 0.0]], MASKS))
+
+
+def test_gae_hand_computed_with_gamma_and_lambda():
+    # Row 0: prompt at 0, response tokens at 1..3, padding at 4. Row 1: prompt 0..1, response 2..3.
+    # Values at non-response positions are junk (9) and must not leak in.
+    masks = [[0, 1, 1, 1, 0], [0, 0, 1, 1, 0]]
+    mask = torch.tensor(masks, dtype=torch.float32)
+    values = torch.tensor([[9, 0.5, 0.2, 0.4, 9], [9, 9, 0.3, 0.6, 9]])
+    rewards = scatter([[0, 0, 1.0], [0, 0.5]], masks)
+    adv, returns = compute_advantages("gae", AdvantageInputs(rewards, mask, torch.tensor([0, 1]), values=values),
+                                      gamma=0.9, lam=0.8)
+    # Row 0: delta = 1 - 0.4 = 0.6;  0.9*0.4 - 0.2 = 0.16;  0.9*0.2 - 0.5 = -0.32
+    #        A = 0.6;  0.16 + 0.72*0.6 = 0.592;  -0.32 + 0.72*0.592 = 0.10624
+    # Row 1: delta = 0.5 - 0.6 = -0.1;  0.9*0.6 - 0.3 = 0.24  ->  A = -0.1;  0.24 - 0.072 = 0.168
+    raw = [[0.10624, 0.592, 0.6], [0.168, -0.1]]
+    torch.testing.assert_close(returns, scatter([[0.60624, 0.792, 1.0], [0.468, 0.5]], masks))
+    w = whiten(raw[0] + raw[1])
+    torch.testing.assert_close(adv, scatter([w[:3], w[3:]], masks))
+
+
+def test_gae_with_gamma_and_lambda_one_is_reward_to_go_minus_value():
+    masks = [[0, 1, 1, 1]]
+    mask = torch.tensor(masks, dtype=torch.float32)
+    values = torch.tensor([[0, 0.1, 0.2, 0.3]])
+    _, returns = compute_advantages("gae", AdvantageInputs(scatter([[0, 0, 1.0]], masks), mask, torch.tensor([0]),
+                                                           values=values))
+    torch.testing.assert_close(returns, torch.tensor([[0, 1.0, 1.0, 1.0]]))
+
+
+def test_estimators_need_their_inputs_and_unknown_names_list_the_valid_ones():
+    with pytest.raises(ValueError, match="critic"):
+        compute_advantages("gae", outcome_inputs())
+    with pytest.raises(ValueError, match="greedy baseline"):
+        compute_advantages("remax", outcome_inputs())
+    with pytest.raises(ValueError, match="gae, grpo, drgrpo, rloo"):
+        compute_advantages("ppo", outcome_inputs())
+
+
 # ----------------------------------------------------------------------------------------- KL
 def test_kl_estimators_hand_computed():
     logp = torch.tensor([math.log(0.5)])
@@ -59,7 +226,34 @@ def test_kl_unknown_estimator_is_an_error():
         kl_estimate(torch.zeros(1), torch.zeros(1), "k4")
 
 
-# ------------------------------------------------------------------------------------ PPO clip
+def test_kl_penalty_in_reward_hand_computed():
+    mask = torch.tensor([[0, 1, 1, 0], [0, 0, 1, 0.]])
+    rewards = torch.tensor([[0, 0, 1.0, 0], [0, 0, 2.0, 0]])
+    logp = torch.tensor([[5.0, 0.2, -0.1, 5.0], [5.0, 5.0, 0.4, 5.0]])  # 5s: outside the mask
+    ref = torch.zeros_like(logp)
+    penalised, mean_kl = apply_kl_penalty(rewards, logp, ref, mask, coef=0.5, kind="k1")
+    torch.testing.assert_close(penalised, torch.tensor([[0, -0.1, 1.05, 0], [0, 0, 1.8, 0]]))
+    # mean over sequences of each sequence's token-mean KL: ((0.2 - 0.1)/2 + 0.4) / 2
+    assert mean_kl == pytest.approx(0.225)
+
+
+def test_adaptive_kl_controller_moves_towards_the_target():
+    ctrl = AdaptiveKLController(init=0.1, target=0.05, horizon=100)
+    ctrl.update(current_kl=0.06, n_steps=10)  # error 0.2 (= the clip): 0.1 * (1 + 0.2 * 10/100)
+    assert ctrl.value == pytest.approx(0.102)
+    ctrl.update(current_kl=0.045, n_steps=10)  # error -0.1: * (1 - 0.01)
+    assert ctrl.value == pytest.approx(0.102 * 0.99)
+    ctrl.update(current_kl=1.0, n_steps=100)  # error 19 clipped to 0.2
+    assert ctrl.value == pytest.approx(0.102 * 0.99 * 1.2)
+    fixed = FixedKLController(0.3)
+    fixed.update(5.0, 100)
+    assert fixed.value == 0.3
+    assert isinstance(kl_controller("adaptive", 0.1, 0.05, 100), AdaptiveKLController)
+    with pytest.raises(ValueError, match="fixed, adaptive"):
+        kl_controller("pid", 0.1, 0.05, 100)
+
+
+# --------------------------------------------------------------------------------- policy losses
 def test_ppo_clip_loss_hand_computed():
     ratio = torch.tensor([[1.5, 0.5, 1.5, 0.5, 1.0]])
     adv = torch.tensor([[1.0, 1.0, -1.0, -1.0, 2.0]])
@@ -81,8 +275,121 @@ def test_ppo_clip_loss_asymmetric_clip_range():
     assert clipped.tolist() == [[1.0, 1.0]]
 
 
+def test_dual_clip_bounds_negative_advantage_losses():
+    ratio = torch.tensor([[5.0, 2.0, 5.0, 0.5]])
+    adv = torch.tensor([[-1.0, -1.0, 1.0, -1.0]])
+    loss, stats = POLICY_LOSSES["dual_clip"](ratio.log(), torch.zeros_like(ratio), adv, torch.ones_like(ratio),
+                                             LossConfig(clip_ratio_c=3.0))
+    # A=-1 r=5: PPO gives max(5, 1.2) = 5, dual-clip caps it at -A*c = 3;  A=-1 r=2: 2 < 3 stays;
+    # A=+1 r=5: -1.2 (positive advantages are not dual-clipped);  A=-1 r=0.5: max(0.5, 0.8) = 0.8.
+    torch.testing.assert_close(loss, torch.tensor([[3.0, 2.0, -1.2, 0.8]]))
+    assert stats["clip_frac_lower"].tolist() == [[1.0, 0.0, 0.0, 0.0]]
+
+
+def test_gspo_uses_one_clipped_ratio_per_sequence():
+    # Row 0: token log-ratios 0.2 and -0.4 -> s = exp(-0.1) inside [0.8, 1.2]; row 1: one token with
+    # log-ratio 0.5 -> s = exp(0.5) = 1.65, clipped at 1.2. Position 0 is a prompt token with a wild ratio.
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0.]])
+    old = torch.tensor([[0.0, -1.0, -1.0], [0.0, -1.0, -1.0]])
+    logp = (old + torch.tensor([[7.0, 0.2, -0.4], [7.0, 0.5, 0.0]])).requires_grad_(True)
+    adv = torch.ones(2, 3)
+    loss, stats = POLICY_LOSSES["gspo"](logp, old, adv, mask, LossConfig())
+    s = math.exp(-0.1)
+    torch.testing.assert_close((loss * mask).detach(), torch.tensor([[0, -s, -s], [0, -1.2, 0]]))
+    assert (stats["clip_frac"] * mask).tolist() == [[0, 0, 0], [0, 1, 0]]
+    # The gradient of each token's loss is -A * s_i (the sequence's ratio, not the token's own
+    # ratio exp(0.2) / exp(-0.4)); the clipped sequence gets none.
+    (loss * mask).sum().backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0, -s, -s], [0, 0, 0]]))
+
+
+def test_cispo_clips_the_is_weight_and_keeps_every_tokens_gradient():
+    ratio = torch.tensor([[1.5, 0.5, 1.1]])
+    adv = torch.tensor([[1.0, -1.0, 2.0]])
+    old = torch.tensor([[-1.0, -2.0, -0.5]])
+    logp = (old + ratio.log()).requires_grad_(True)
+    loss, stats = POLICY_LOSSES["cispo"](logp, old, adv, torch.ones_like(adv), LossConfig())
+    # -sg(clip(r, 0.8, 1.2)) * A * logp: weights 1.2, 0.8, 1.1
+    expected = -torch.tensor([[1.2, 0.8, 1.1]]) * adv * logp.detach()
+    torch.testing.assert_close(loss.detach(), expected)
+    assert stats["clip_frac"].tolist() == [[1.0, 1.0, 0.0]]
+    loss.sum().backward()
+    # d/dlogp = -w * A, even for the clipped tokens (PPO clip would give them 0)
+    torch.testing.assert_close(logp.grad, torch.tensor([[-1.2, 0.8, -2.2]]))
+
+
+# -------------------------------------------------------------------------------- actor_loss
+def _on_policy_batch(mode: str, advantages, masks, norm_length=4):
+    mask = torch.tensor(masks, dtype=torch.float32)
+    logprobs = -torch.rand(mask.shape, generator=torch.Generator().manual_seed(0))
+    batch = Batch(response_mask=mask, old_logprobs=logprobs.clone(), advantages=scatter(advantages, masks),
+                  loss_weights=loss_weights(mask, mode, norm_length))
+    return logprobs, torch.zeros_like(logprobs), batch
+
+
+@pytest.mark.parametrize("mode,expected", [
+    ("token-mean", -(1 + 5 + 2) / 3),
+    ("seq-mean-token-sum", -((1 + 5) + 2) / 2),
+    ("seq-mean-token-mean", -((1 + 5) / 2 + 2) / 2),
+    ("seq-mean-token-sum-norm", -((1 + 5) + 2) / (2 * 4)),
+])
+def test_pg_loss_per_agg_mode_hand_computed(mode, expected):
+    # On-policy (ratio 1): the surrogate is -A per token. Row 0: A = 1, 5; row 1: A = 2.
+    logprobs, entropy, batch = _on_policy_batch(mode, [[1.0, 5.0], [2.0]], [[0, 1, 1], [0, 1, 0]])
+    loss, metrics = actor_loss(logprobs, entropy, batch, LossConfig())
+    assert metrics["actor/pg_loss"].item() == pytest.approx(expected)
+    assert loss.item() == pytest.approx(expected)
+
+
+def test_actor_loss_needs_loss_weights():
+    logprobs, entropy, batch = _on_policy_batch("token-mean", [[1.0, 5.0], [2.0]], [[0, 1, 1], [0, 1, 0]])
+    del batch["loss_weights"]
+    with pytest.raises(KeyError, match="loss_weights"):
+        actor_loss(logprobs, entropy, batch, LossConfig())
+
+
+# Engine-vs-trainer ratios pi_old / pi_rollout: row 0 tokens 3.0, 1.5, 0.25 (geometric mean
+# 1.125^(1/3) = 1.04, kept by seq_mask); row 1 one token 2.5 (outside [0.5, 2]).
+IS_MASKS = [[0, 1, 1, 1], [0, 1, 0, 0]]
+IS_RATIOS = [[3.0, 1.5, 0.25], [2.5]]
+
+
+@pytest.mark.parametrize("kind,weights,touched", [
+    ("tis", [[2.0, 1.5, 0.25], [2.0]], [[1, 0, 0], [1]]),  # min(ratio, 2)
+    ("icepop", [[0, 1, 0], [0]], [[1, 0, 1], [1]]),  # 1 inside [0.5, 2], else 0
+    ("seq_mask", [[1, 1, 1], [0]], [[0, 0, 0], [1]]),  # per sequence, by the geometric mean
+])
+def test_rollout_correction_weights_the_pg_loss(kind, weights, touched):
+    logprobs, entropy, batch = _on_policy_batch("token-mean", [[1.0] * 3, [1.0]], IS_MASKS)
+    batch["rollout_logprobs"] = batch["old_logprobs"] - scatter([[math.log(r) for r in row] for row in IS_RATIOS],
+                                                                IS_MASKS)
+    cfg = LossConfig(rollout_correction=kind, rollout_is_threshold=2.0, rollout_is_threshold_low=0.5)
+    _, metrics = actor_loss(logprobs, entropy, batch, cfg)
+    # A = 1 and ratio 1: the surrogate is -1 per token, times the weight; token-mean over 4 tokens.
+    assert metrics["actor/pg_loss"].item() == pytest.approx(-sum(sum(r) for r in weights) / 4)
+    assert metrics["actor/tis_clip_frac"].item() == pytest.approx(sum(sum(r) for r in touched) / 4)
+    assert metrics["actor/tis_ratio_mean"].item() == pytest.approx((3.0 + 1.5 + 0.25 + 2.5) / 4)
+
+
+def test_kl_loss_term_and_entropy_bonus():
+    logprobs, _, batch = _on_policy_batch("token-mean", [[1.0, 5.0], [2.0]], [[0, 1, 1], [0, 1, 0]])
+    batch["ref_logprobs"] = logprobs - scatter([[0.2, -0.1], [0.4]], [[0, 1, 1], [0, 1, 0]])
+    entropy = scatter([[0.3, 0.6], [0.9]], [[0, 1, 1], [0, 1, 0]])
+    loss, metrics = actor_loss(logprobs, entropy, batch, LossConfig(kl_coeff=0.5, kl_estimator="k1",
+                                                                    entropy_coeff=0.1))
+    assert metrics["actor/kl_ref"].item() == pytest.approx((0.2 - 0.1 + 0.4) / 3)
+    assert metrics["actor/entropy"].item() == pytest.approx((0.3 + 0.6 + 0.9) / 3)
+    assert loss.item() == pytest.approx(-8 / 3 - 0.1 * 0.6 + 0.5 * 0.5 / 3)
+
+
+def test_loss_config_from_actor_config_takes_every_knob():
+    actor = ActorConfig(policy_loss="dual_clip", clip_ratio_c=5.0, rollout_correction="tis", kl_coeff=0.0)
+    cfg = LossConfig.from_config(actor)
+    assert (cfg.policy_loss, cfg.clip_ratio_c, cfg.rollout_correction, cfg.kl_coeff) == ("dual_clip", 5.0, "tis", 0.0)
+
+
 # ----------------------------------------------------------------------- normalisation contract
-def _random_batch(seed: int = 0, rows: int = 8, seq: int = 6):
+def _random_batch(seed: int = 0, rows: int = 8, seq: int = 6, mode: str = "token-mean"):
     g = torch.Generator().manual_seed(seed)
     lengths = torch.tensor([1, 5, 3, 4, 2, 5, 1, 3])[:rows]
     mask = (torch.arange(seq)[None, :] >= seq - lengths[:, None]).float()  # responses at the end
@@ -92,6 +399,7 @@ def _random_batch(seed: int = 0, rows: int = 8, seq: int = 6):
         old_logprobs=logprobs + 0.3 * torch.randn(rows, seq, generator=g),
         ref_logprobs=logprobs + 0.3 * torch.randn(rows, seq, generator=g),
         advantages=torch.randn(rows, 1, generator=g).expand(rows, seq).clone(),
+        loss_weights=loss_weights(mask, mode, norm_length=seq),  # once, over the whole batch
     )
     entropy = torch.rand(rows, seq, generator=g)
     return logprobs, entropy, batch
@@ -99,13 +407,11 @@ def _random_batch(seed: int = 0, rows: int = 8, seq: int = 6):
 
 def _summed_loss_and_grad(logprobs, entropy, batch, cfg, chunks: int):
     logprobs = logprobs.clone().requires_grad_(True)
-    global_tokens = float(batch["response_mask"].sum())  # counted once, over the whole batch
     size = batch.size // chunks
     total, metrics = torch.zeros(()), {}
     for i in range(chunks):
         rows = slice(i * size, (i + 1) * size)
-        loss, m = actor_loss(logprobs[rows], entropy[rows], batch.slice(rows.start, rows.stop), cfg,
-                             global_tokens)
+        loss, m = actor_loss(logprobs[rows], entropy[rows], batch.slice(rows.start, rows.stop), cfg)
         total = total + loss
         for key, value in m.items():
             metrics[key] = metrics.get(key, 0.0) + value
@@ -113,10 +419,11 @@ def _summed_loss_and_grad(logprobs, entropy, batch, cfg, chunks: int):
     return total.detach(), logprobs.grad, metrics
 
 
+@pytest.mark.parametrize("policy_loss", list(POLICY_LOSSES))
 @pytest.mark.parametrize("chunks", [2, 4])
-def test_micro_batch_splits_give_the_same_loss_gradient_and_metrics(chunks):
-    logprobs, entropy, batch = _random_batch()
-    cfg = LossConfig(kl_coeff=0.1, entropy_coeff=0.01, kl_estimator="k3")
+def test_micro_batch_splits_give_the_same_loss_gradient_and_metrics(chunks, policy_loss):
+    logprobs, entropy, batch = _random_batch(mode="seq-mean-token-mean")
+    cfg = LossConfig(policy_loss=policy_loss, kl_coeff=0.1, entropy_coeff=0.01, kl_estimator="k3")
     ref_loss, ref_grad, ref_metrics = _summed_loss_and_grad(logprobs, entropy, batch, cfg, chunks=1)
     loss, grad, metrics = _summed_loss_and_grad(logprobs, entropy, batch, cfg, chunks=chunks)
     torch.testing.assert_close(loss, ref_loss)
@@ -146,10 +453,54 @@ def test_on_policy_ratio_is_one_and_ppo_kl_and_clip_frac_are_zero():
     logprobs, entropy, batch = _random_batch()
     batch["old_logprobs"] = logprobs.clone()
     cfg = LossConfig()
-    loss, metrics = actor_loss(logprobs, entropy, batch, cfg, float(batch["response_mask"].sum()))
+    loss, metrics = actor_loss(logprobs, entropy, batch, cfg)
     mask = batch["response_mask"]
     assert metrics["actor/ppo_kl"].item() == 0.0
     assert metrics["actor/clip_frac"].item() == 0.0
     # ratio == 1 exactly, so the surrogate is -A on every response token.
     torch.testing.assert_close(metrics["actor/pg_loss"], -(batch["advantages"] * mask).sum() / mask.sum())
     assert "actor/kl_ref" not in metrics  # kl_coeff == 0: no reference term
+
+
+# ---------------------------------------------------------------------------------- value loss
+def test_critic_loss_clips_the_value_hand_computed():
+    # old value 0, return 1, cliprange 0.5, token-mean over 3 tokens (a 4th position is padding):
+    #   v = 1.0: unclipped 0, clipped value 0.5 -> 0.25: max 0.25 -> 0.125 (clipped, no gradient)
+    #   v = 0.3: both 0.49 -> 0.245;   v = -1: unclipped 4, clipped value -0.5 -> 2.25: max 4 -> 2.0
+    mask = torch.tensor([[1, 1, 1, 0.]])
+    values = torch.tensor([[1.0, 0.3, -1.0, 7.0]], requires_grad=True)
+    batch = Batch(response_mask=mask, old_values=torch.zeros(1, 4), returns=torch.tensor([[1.0, 1.0, 1.0, 0.0]]),
+                  loss_weights=loss_weights(mask, "token-mean", 4))
+    loss, metrics = critic_loss(values, batch, CriticLossConfig(cliprange_value=0.5))
+    assert loss.item() == pytest.approx((0.125 + 0.245 + 2.0) / 3)
+    assert metrics["critic/vf_loss"].item() == pytest.approx(loss.item())
+    assert metrics["critic/vf_clipfrac"].item() == pytest.approx(1 / 3)
+    assert metrics["critic/vpred_mean"].item() == pytest.approx((1.0 + 0.3 - 1.0) / 3)
+    loss.backward()
+    torch.testing.assert_close(values.grad, torch.tensor([[0.0, -0.7 / 3, -2.0 / 3, 0.0]]))
+
+
+def test_explained_variance():
+    returns = torch.tensor([[1.0, 2.0, 3.0, 4.0, 50.0]])
+    mask = torch.tensor([[1, 1, 1, 1, 0.]])  # the 50 is outside the mask
+    assert explained_variance(returns, returns, mask) == pytest.approx(1.0)
+    assert explained_variance(torch.full_like(returns, 2.5), returns, mask) == pytest.approx(0.0)
+    # R - V = -0.5, 0.5, -0.5, 0.5: variance 0.25 against Var[R] = 1.25
+    values = torch.tensor([[1.5, 1.5, 3.5, 3.5, 0.0]])
+    assert explained_variance(values, returns, mask) == pytest.approx(1 - 0.25 / 1.25)
+    assert math.isnan(explained_variance(values, torch.ones_like(returns), mask))
+
+
+# ------------------------------------------------------------------------------------ DAPO pieces
+def test_groups_with_variance_drops_all_equal_groups():
+    scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 2.0])
+    groups = torch.tensor([0, 0, 1, 1, 2, 2, 3])  # group 3 is a single sample: all equal
+    assert groups_with_variance(scores, groups).tolist() == [False, False, True, True, False, False, False]
+
+
+def test_overlong_penalty_is_linear_over_the_buffer():
+    lengths = torch.tensor([5, 6, 7, 8, 10])
+    # max 10, buffer 4: free up to 6, then -1/4 per token, -1 at 10
+    torch.testing.assert_close(overlong_penalty(lengths, max_len=10, buffer_len=4, penalty_factor=1.0),
+                               torch.tensor([0.0, 0.0, -0.25, -0.5, -1.0]))
+    torch.testing.assert_close(overlong_penalty(lengths, 10, 4, 0.5)[-1], torch.tensor(-0.5))

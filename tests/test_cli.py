@@ -35,7 +35,8 @@ def test_validate_accepts_the_quickstart_and_prints_the_layout(assets):
     ("actor.tp=two", "actor.tp='two' has the wrong type, expected an integer"),
     ("resources.pools.actor=3 actor.tp=1 actor.pp=3", "actor.pp=3 does not divide the model's 4 layers"),
     ("rollout.engines=2", "rollout.engines*rollout.tp=2*1=2 does not equal the 1 GPUs of pool 'rollout'"),
-    ("algorithm.adv_estimator=ppo", "algorithm.adv_estimator='ppo' is not one of: grpo"),
+    ("algorithm.adv_estimator=ppo", "algorithm.adv_estimator='ppo' is not one of: gae, grpo, drgrpo, rloo, "
+     "reinforce_plus_plus, reinforce_plus_plus_baseline, remax"),
     ("data.train_files=[missing.parquet]", "data.train_files[0]=missing.parquet not found"),
 ])
 def test_validate_rejects_with_one_sentence_on_stderr(assets, override, message):
@@ -77,5 +78,5 @@ def test_show_prints_every_key_with_defaults_and_overrides():
     assert spec["actor"]["tp"] == 2  # from the file
     assert spec["rollout"]["top_p"] == 0.9  # from the override
     assert spec["actor"]["optim"]["adam_beta2"] == 0.999  # a default from rlcore/config.py
-    assert set(spec) == {"model", "resources", "actor", "reference", "rollout", "data", "reward", "algorithm",
-                         "trainer"}
+    assert set(spec) == {"model", "resources", "actor", "reference", "critic", "rollout", "data", "reward",
+                         "algorithm", "trainer"}

@@ -288,9 +288,11 @@ def test_rollout_engines_times_tp_must_equal_pool(files):
               "rollout.engines*rollout.tp=2*1=2 does not equal the 1 GPUs of pool 'rollout'")
 
 
-def test_rollout_tp_on_cpu_is_not_supported(files):
-    assert_in(validate_error(files, "resources.pools.rollout=2", "rollout.tp=2"),
-              "rollout.tp=2", "vLLM tensor parallelism on the CPU profile is not supported yet")
+def test_rollout_tp_on_cpu(files):
+    layout = validate(job(files, "resources.pools.rollout=2", "rollout.tp=2"))
+    assert layout.rollout == RolloutLayout(pool="rollout", gpus=2, engines=1, tp=2)
+    assert_in(validate_error(files, "resources.pools.rollout=3", "rollout.tp=3"),
+              "rollout.tp=3 does not divide the model's 4 attention heads")
 
 
 def test_rollout_tp_must_divide_heads_on_gpu(files):
@@ -342,13 +344,67 @@ def test_grpo_needs_groups_of_two(files):
 
 
 @pytest.mark.parametrize("override, expected", [
-    ("algorithm.adv_estimator=gae2", "algorithm.adv_estimator='gae2' is not one of: grpo"),
-    ("actor.policy_loss=dpo", "actor.policy_loss='dpo' is not one of: vanilla"),
+    ("algorithm.adv_estimator=gae2", "algorithm.adv_estimator='gae2' is not one of: gae, grpo, drgrpo, rloo, "
+     "reinforce_plus_plus, reinforce_plus_plus_baseline, remax"),
+    ("actor.policy_loss=dpo", "actor.policy_loss='dpo' is not one of: vanilla, dual_clip, gspo, cispo"),
     ("actor.kl_estimator=k4", "actor.kl_estimator='k4' is not one of: k1, k2, k3"),
-    ("actor.loss_agg_mode=seq-mean", "actor.loss_agg_mode='seq-mean' is not one of: token-mean"),
+    ("actor.loss_agg_mode=seq-mean", "actor.loss_agg_mode='seq-mean' is not one of: token-mean, seq-mean-token-sum, "
+     "seq-mean-token-mean, seq-mean-token-sum-norm"),
+    ("actor.rollout_correction=is", "actor.rollout_correction='is' is not one of: none, tis, icepop, seq_mask"),
+    ("algorithm.kl_penalty=kl", "algorithm.kl_penalty='kl' is not one of: k1, k2, k3"),
+    ("algorithm.kl_ctrl.type=pid", "algorithm.kl_ctrl.type='pid' is not one of: fixed, adaptive"),
 ])
 def test_names_list_the_valid_choices(files, override, expected):
     assert_in(validate_error(files, override), expected)
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "drgrpo", "reinforce_plus_plus_baseline"])
+def test_group_baselines_need_groups_of_two(files, estimator):
+    assert_in(validate_error(files, "rollout.n=1", f"algorithm.adv_estimator={estimator}"),
+              "rollout.n=1", f"adv_estimator={estimator}", "at least 2")
+
+
+def test_estimators_without_groups_accept_one_sample(files):
+    validate(job(files, "rollout.n=1", "actor.micro_batch_size=4", "algorithm.adv_estimator=reinforce_plus_plus"))
+
+
+def test_dynamic_sampling_needs_groups(files):
+    assert_in(validate_error(files, "rollout.n=1", "algorithm.adv_estimator=remax",
+                             "algorithm.dynamic_sampling.enable=true"),
+              "algorithm.dynamic_sampling.enable=true", "rollout.n >= 2")
+
+
+def test_reference_for_kl_in_reward(files):
+    layout = validate(job(files, "actor.kl_coeff=0", "algorithm.kl_in_reward=true"))
+    assert layout.reference == RoleLayout(pool="actor", gpus=2, tp=1, pp=1, dp=2)
+
+
+def test_ppo_mini_batch_size_must_divide_the_batch(files):
+    assert_in(validate_error(files, "actor.ppo_mini_batch_size=3"),
+              "actor.ppo_mini_batch_size=3 does not divide data.batch_size=8")
+    validate(job(files, "actor.ppo_mini_batch_size=4", "actor.ppo_epochs=2"))
+
+
+def test_ppo_mini_batch_must_split_into_micro_batches(files):
+    # 2 prompts x 2 samples = 4 sequences per optimizer step, but dp 2 x micro-batch 4 = 8 per round.
+    assert_in(validate_error(files, "rollout.n=2", "actor.ppo_mini_batch_size=2"),
+              "actor.ppo_mini_batch_size*rollout.n=2*2=4", "dp=2 x actor.micro_batch_size=4 = 8")
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["actor.policy_loss=dual_clip", "actor.clip_ratio_c=1.0"], "actor.clip_ratio_c=1.0 must be above 1"),
+    (["actor.rollout_correction=icepop", "actor.rollout_is_threshold_low=3"],
+     "actor.rollout_is_threshold_low=3.0 must be below actor.rollout_is_threshold=2.0"),
+    (["actor.rollout_correction=tis", "actor.use_rollout_logprobs=true"], "actor.use_rollout_logprobs=true"),
+    (["algorithm.gamma=1.5"], "algorithm.gamma=1.5 must be in [0, 1]"),
+    (["algorithm.lam=-0.1"], "algorithm.lam=-0.1 must be in [0, 1]"),
+    (["algorithm.overlong_buffer.enable=true", "algorithm.overlong_buffer.len=300"],
+     "algorithm.overlong_buffer.len=300 exceeds rollout.max_response_length=256"),
+    (["algorithm.kl_ctrl.kl_coef=-1"], "algorithm.kl_ctrl.kl_coef=-1.0 must not be negative"),
+    (["actor.entropy_coeff=-0.01"], "actor.entropy_coeff=-0.01 must not be negative"),
+])
+def test_algorithm_knob_ranges(files, overrides, expected):
+    assert_in(validate_error(files, *overrides), expected)
 
 
 def test_reward_function_must_resolve(files):
@@ -367,9 +423,14 @@ def test_reward_function_must_resolve(files):
     ("rollout.temperature=0", "rollout.temperature=0.0"),
     ("rollout.bucket_mb=0", "rollout.bucket_mb=0"),
     ("actor.tp=0", "actor.tp=0"),
+    ("actor.ppo_epochs=0", "actor.ppo_epochs=0"),
+    ("actor.ppo_mini_batch_size=0", "actor.ppo_mini_batch_size=0"),
+    ("actor.rollout_is_threshold=0", "actor.rollout_is_threshold=0.0"),
+    ("algorithm.dynamic_sampling.max_gen_batches=0", "algorithm.dynamic_sampling.max_gen_batches=0"),
+    ("algorithm.kl_ctrl.type=adaptive algorithm.kl_ctrl.target_kl=0", "algorithm.kl_ctrl.target_kl=0.0"),
 ])
 def test_values_that_must_be_positive(files, override, key):
-    assert_in(validate_error(files, override), key, "must be positive")
+    assert_in(validate_error(files, *override.split()), key, "must be positive")
 
 
 @pytest.mark.parametrize("top_p", ["0", "1.5"])
@@ -379,3 +440,89 @@ def test_top_p_range(files, top_p):
 
 def test_negative_kl_coeff(files):
     assert_in(validate_error(files, "actor.kl_coeff=-0.1"), "actor.kl_coeff=-0.1", "must not be negative")
+
+
+# ------------------------------------------------------------------------------------------ critic
+CRITIC_POOLS = "resources.pools={actor: 2, rollout: 1, critic: 2}"
+
+
+def test_critic_only_for_estimators_that_need_values(files):
+    assert validate(job(files)).critic is None  # grpo: the critic: section is ignored
+    assert validate(job(files, "critic.pool=nowhere", "critic.tp=3")).critic is None
+    layout = validate(job(files, "algorithm.adv_estimator=gae", CRITIC_POOLS))
+    assert layout.critic == RoleLayout(pool="critic", gpus=2, tp=1, pp=1, dp=2)
+
+
+def test_critic_defaults():
+    cfg = load_job(None, ["model.path=x"])
+    assert (cfg.critic.pool, cfg.critic.model_path, cfg.critic.tp, cfg.critic.pp) == ("critic", None, 1, 1)
+    assert cfg.critic.cliprange_value == 0.5 and cfg.critic.optim.lr == 1e-5
+    assert cfg.actor.optim.lr != cfg.critic.optim.lr  # its own optimizer settings
+
+
+def test_critic_needs_its_pool(files):
+    assert_in(validate_error(files, "algorithm.adv_estimator=gae"),
+              "critic.pool='critic' is not a pool in resources.pools (pools: actor, rollout)")
+
+
+def test_critic_may_share_the_actor_pool_but_not_the_rollout_pool(files):
+    layout = validate(job(files, "algorithm.adv_estimator=gae", "critic.pool=actor"))
+    assert layout.critic == RoleLayout(pool="actor", gpus=2, tp=1, pp=1, dp=2)
+    assert_in(validate_error(files, "algorithm.adv_estimator=gae", "critic.pool=rollout"),
+              "critic.pool and rollout.pool are both 'rollout'")
+
+
+def test_critic_layout_checks_name_critic_keys(files):
+    gae = ["algorithm.adv_estimator=gae", "resources.pools={actor: 2, rollout: 1, critic: 4}"]
+    assert_in(validate_error(files, *gae, "critic.tp=3"), "critic.tp*critic.pp=3*1=3 does not divide the 4 GPUs "
+              "of pool 'critic' (resources.pools.critic=4)")
+    assert_in(validate_error(files, *gae, "critic.tp=4"), "critic.tp=4 does not divide the model's 2 key-value heads")
+    assert_in(validate_error(files, *gae, "critic.pp=4"), "critic.pp=4 does not divide the model's 2 layers")
+    assert_in(validate_error(files, *gae, "critic.micro_batch_size=3"),
+              "data.batch_size*rollout.n=8*8=64 sequences do not split into equal micro-batches for the critic: "
+              "dp=4 x critic.micro_batch_size=3 = 12 must divide it")
+
+
+def test_critic_batch_split_follows_the_actor_mini_batches(files):
+    assert_in(validate_error(files, "algorithm.adv_estimator=gae", CRITIC_POOLS, "actor.ppo_mini_batch_size=1",
+                             "actor.micro_batch_size=1", "critic.micro_batch_size=8"),
+              "actor.ppo_mini_batch_size*rollout.n=1*8=8 sequences", "for the critic",
+              "dp=2 x critic.micro_batch_size=8 = 16 must divide it")
+
+
+def test_critic_model_path(files):
+    gae = ["algorithm.adv_estimator=gae", CRITIC_POOLS]
+    missing = files["tmp"] / "no-such-critic"
+    assert_in(validate_error(files, *gae, f"critic.model_path={missing}"),
+              f"critic.model_path={missing} is not a HuggingFace model folder")
+    other_vocab = make_model(files["tmp"] / "critic-vocab", vocab_size=256)
+    assert_in(validate_error(files, *gae, f"critic.model_path={other_vocab}"),
+              f"critic.model_path={other_vocab}/config.json has vocab_size=256, but the actor's model has 128")
+    # The critic's own shape is what its layout is checked against.
+    four_layers = make_model(files["tmp"] / "critic-4-layers", num_hidden_layers=4)
+    layout = validate(job(files, *gae, f"critic.model_path={four_layers}", "critic.pp=2"))
+    assert layout.critic.pp == 2 and layout.critic.dp == 1
+    one_layer = make_model(files["tmp"] / "critic-1-layer", num_hidden_layers=1)
+    assert_in(validate_error(files, *gae, f"critic.model_path={one_layer}", "critic.pp=2"),
+              f"critic.pp=2 does not divide the model's 1 layers (critic.model_path={one_layer}/config.json")
+    bad = make_model(files["tmp"] / "critic-bad", num_attention_heads=0)
+    assert_in(validate_error(files, *gae, f"critic.model_path={bad}"),
+              f"critic.model_path={bad}/config.json needs a positive integer 'num_attention_heads'")
+
+
+@pytest.mark.parametrize("override, key", [
+    ("critic.tp=0", "critic.tp=0"),
+    ("critic.pp=-1", "critic.pp=-1"),
+    ("critic.micro_batch_size=0", "critic.micro_batch_size=0"),
+    ("critic.optim.lr=0", "critic.optim.lr=0.0"),
+    ("critic.cliprange_value=0", "critic.cliprange_value=0.0"),
+])
+def test_critic_values_that_must_be_positive(files, override, key):
+    assert_in(validate_error(files, "algorithm.adv_estimator=gae", CRITIC_POOLS, override), key, "must be positive")
+
+
+def test_checkpoints_with_the_distributed_optimizer_are_refused_on_cpu(files):
+    message = validate_error(files, "resources.device=cpu", "trainer.save_every=2",
+                             "actor.optim.use_distributed_optimizer=true")
+    assert_in(message, "trainer.save_every=2", "actor.optim.use_distributed_optimizer=true", "cpu profile")
+    validate(job(files, "trainer.save_every=0", "actor.optim.use_distributed_optimizer=true"))

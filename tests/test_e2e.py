@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from launch.assets import make_addition_data, make_tiny_model
-from rlcore.algos import LossConfig
+from rlcore.algos import LossConfig, loss_weights
 from rlcore.batch import Batch
 from rlcore.config import OptimConfig, RolloutConfig
 from rlcore.weight_sync import checksum, connect_weight_sync, sync_weights
@@ -59,6 +59,7 @@ def test_weight_sync_makes_vllm_match_the_actor(split_pools, tmp_path, tp, pp, d
         # A large step so the new weights are far from the engine's.
         batch["old_logprobs"] = actor.compute_logprobs(batch)
         batch["advantages"] = torch.randn(batch["input_ids"].shape, generator=torch.Generator().manual_seed(1))
+        batch["loss_weights"] = loss_weights(batch["response_mask"], "token-mean", norm_length=7)
         actor.update(batch, LossConfig(kl_coeff=0.0))
         trained = actor.compute_logprobs(batch)
         stale = torch.tensor(rollout.prompt_logprobs(seqs))

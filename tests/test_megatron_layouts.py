@@ -13,7 +13,7 @@ import torch
 
 from launch.assets import make_tiny_model
 from megatron_workers.group import MegatronGroup
-from rlcore.algos import LossConfig, actor_loss
+from rlcore.algos import LossConfig, actor_loss, loss_weights
 from rlcore.batch import Batch
 from rlcore.config import OptimConfig
 
@@ -50,7 +50,8 @@ def right_padded_batch(vocab: int = 16, pad_id: int = 0, seed: int = 0) -> Batch
         attention_mask[i, :length] = 1
         response_mask[i, prompt:length] = 1
     return Batch(input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
-                 advantages=torch.randn(BATCH, SEQ, generator=g) * response_mask)
+                 advantages=torch.randn(BATCH, SEQ, generator=g) * response_mask,
+                 loss_weights=loss_weights(response_mask, "token-mean", SEQ))
 
 
 def run_layout(model_path, placement, tp, pp, dp, batch):
@@ -90,7 +91,7 @@ def test_one_process_matches_transformers_and_first_step_is_on_policy(model_path
 
     # Megatron's gradient is the gradient of the global token-mean loss (of the sum of actor_loss over
     # micro-batches): its norm equals that of transformers' gradient of the same loss on the whole batch.
-    loss, _ = actor_loss(logprobs, entropy, batch, LOSS, float(batch["response_mask"].sum()))
+    loss, _ = actor_loss(logprobs, entropy, batch, LOSS)
     loss.backward()
     grad_norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in model.parameters() if p.grad is not None))
     assert metrics["actor/loss"] == pytest.approx(float(loss.detach()), abs=TOL)
