@@ -1,0 +1,384 @@
+"""Checkpoints of a run: what is saved, how it is made atomic, and how a run finds one to resume from.
+
+Layout under ``trainer.checkpoint_dir`` (default ``<run_dir>/checkpoints``)::
+
+    latest                    the name of the newest complete checkpoint ("step_00000004"), written last
+    step_00000004/
+      actor/                  megatron-core distributed checkpoint of the actor (model, optimizer,
+                              lr scheduler): metadata.json, common.pt, .metadata, __<rank>_<i>.distcp
+      critic/                 the same for the critic, when the job has one
+      controller.json         step, weight version, dataloader position, KL controller state
+      rng.pt                  python / numpy / torch RNG states of the controller
+      job.yaml                the resolved job spec that wrote it
+      manifest.json           every file above with its size and CRC-32; written last inside the folder
+    .tmp-step_00000005/       a checkpoint being written: never read, removed by the next save
+
+A checkpoint is written into ``.tmp-<name>``, its manifest last, then renamed to ``<name>`` (an atomic
+rename on one filesystem), and only then does ``latest`` move to it (write-to-temp + ``os.replace``).
+A crash at any point leaves either the old ``latest`` or the new one, never a half checkpoint under a
+checkpoint's name. Resuming checks every file against the manifest (sizes, then CRC-32), so a
+truncated or corrupted file is named before any worker loads it; the cost is one read of the
+checkpoint per save and per resume.
+
+The loop is synchronous (rollout, update and weight sync finish inside a step), so at the end of a
+step there is no pending rollout data to save.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import sys
+import zlib
+from typing import Callable, Optional
+
+LATEST = "latest"
+MANIFEST = "manifest.json"
+CONTROLLER = "controller.json"
+RNG = "rng.pt"
+JOB = "job.yaml"
+TMP_PREFIX = ".tmp-"
+FORMAT_VERSION = 1
+CHECKPOINT_ROLES = ("actor", "critic")  # the roles that train: their model + optimizer are saved
+KL_CONTROLLER_ATTRS = ("kl_ctrl", "kl_controller")  # where a trainer may keep an adaptive KL controller
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used; the message names the file and what is wrong with it."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def checkpoint_dir_of(trainer_cfg) -> str:
+    """``trainer.checkpoint_dir``, or ``<run_dir>/checkpoints`` when it is not set."""
+    return trainer_cfg.checkpoint_dir or os.path.join(trainer_cfg.run_dir, "checkpoints")
+
+
+def seed_everything(seed: int) -> None:
+    """Seeds every random source of the controller (python, numpy, torch)."""
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
+    torch.manual_seed(seed)
+
+
+# ------------------------------------------------------------------------------------ the manifest
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(16 * 1024 * 1024):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _files(folder: str) -> list[str]:
+    out = []
+    for root, _, names in os.walk(folder):
+        for name in names:
+            out.append(os.path.relpath(os.path.join(root, name), folder))
+    return sorted(f for f in out if f != MANIFEST)
+
+
+def write_manifest(folder: str, step: int) -> None:
+    files = {rel: {"size": os.path.getsize(os.path.join(folder, rel)), "crc32": _crc32(os.path.join(folder, rel))}
+             for rel in _files(folder)}
+    _write_atomic(os.path.join(folder, MANIFEST),
+                  json.dumps({"format": FORMAT_VERSION, "step": step, "files": files}, indent=1))
+
+
+def verify_checkpoint(folder: str) -> dict:
+    """Checks every file of the checkpoint ``folder`` against its manifest; returns the controller
+    state. Raises ``CheckpointError`` naming the first missing, truncated or corrupted file."""
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"{folder}: not a checkpoint folder (it does not exist)")
+    manifest_path = os.path.join(folder, MANIFEST)
+    if not os.path.isfile(manifest_path):
+        raise CheckpointError(f"{manifest_path}: missing, so the checkpoint was never completed")
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{manifest_path}: corrupted ({e})") from e
+    for rel, expected in files.items():
+        path = os.path.join(folder, rel)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path}: missing (listed in {MANIFEST})")
+        size = os.path.getsize(path)
+        if size != expected["size"]:
+            raise CheckpointError(f"{path}: truncated or overwritten: {size} bytes, the manifest says "
+                                  f"{expected['size']}")
+        if _crc32(path) != expected["crc32"]:
+            raise CheckpointError(f"{path}: corrupted: its CRC-32 differs from the manifest's")
+    for rel in (CONTROLLER, RNG, JOB):
+        if rel not in files:
+            raise CheckpointError(f"{os.path.join(folder, rel)}: missing from the checkpoint")
+    with open(os.path.join(folder, CONTROLLER)) as f:
+        return json.load(f)
+
+
+# ---------------------------------------------------------------------------------------- saving
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def list_checkpoints(checkpoint_dir: str) -> list[tuple[int, str]]:
+    """(step, folder) of every ``step_N`` folder, newest first; ``.tmp-*`` folders are never listed."""
+    if not os.path.isdir(checkpoint_dir):
+        return []
+    found = []
+    for name in os.listdir(checkpoint_dir):
+        m = _STEP_DIR.match(name)
+        if m and os.path.isdir(os.path.join(checkpoint_dir, name)):
+            found.append((int(m.group(1)), os.path.join(checkpoint_dir, name)))
+    return sorted(found, reverse=True)
+
+
+def read_latest(checkpoint_dir: str) -> Optional[str]:
+    """The folder ``latest`` names, or None when there is no (readable) pointer."""
+    path = os.path.join(checkpoint_dir, LATEST)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        name = f.read().strip()
+    return os.path.join(checkpoint_dir, name) if _STEP_DIR.match(name) else None
+
+
+def save_checkpoint(checkpoint_dir: str, step: int, roles: dict, controller: dict, job_yaml: str,
+                    keep_last: int = 0, log: Callable[[str], None] = print) -> str:
+    """Writes the checkpoint of ``step``: each role's ``save_checkpoint(folder)`` (a ``MegatronGroup``),
+    the controller state and the job spec; then renames it into place, moves ``latest`` and prunes
+    all but the newest ``keep_last`` checkpoints (0 keeps all). Returns the checkpoint's folder."""
+    os.makedirs(checkpoint_dir, exist_ok=True)
+    name = step_dir_name(step)
+    final, tmp = os.path.join(checkpoint_dir, name), os.path.join(checkpoint_dir, TMP_PREFIX + name)
+    for stale in os.listdir(checkpoint_dir):  # left by a crash during an earlier save
+        if stale.startswith(TMP_PREFIX):
+            shutil.rmtree(os.path.join(checkpoint_dir, stale), ignore_errors=True)
+    os.makedirs(tmp)
+    for role, group in roles.items():
+        group.save_checkpoint(os.path.join(tmp, role))
+    with open(os.path.join(tmp, CONTROLLER), "w") as f:
+        json.dump({"format": FORMAT_VERSION, "roles": sorted(roles), **controller}, f, indent=1)
+    import torch
+
+    torch.save(rng_states(), os.path.join(tmp, RNG))
+    with open(os.path.join(tmp, JOB), "w") as f:
+        f.write(job_yaml)
+    write_manifest(tmp, step)
+    if os.path.exists(final):  # a checkpoint of the same step from an earlier run (resume=never)
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(checkpoint_dir)
+    _write_atomic(os.path.join(checkpoint_dir, LATEST), name + "\n")
+    if keep_last > 0:
+        for _, old in list_checkpoints(checkpoint_dir)[keep_last:]:
+            shutil.rmtree(old, ignore_errors=True)
+    log(f"checkpoint: saved step {step} to {final}")
+    return final
+
+
+# ------------------------------------------------------------------------------- controller state
+def rng_states() -> dict:
+    import numpy as np
+    import torch
+
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_states(states: dict) -> None:
+    import numpy as np
+    import torch
+
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+
+
+def controller_state(trainer, step: int) -> dict:
+    """What the controller must restore to continue exactly after ``step``."""
+    state = {"step": step, "weight_version": trainer.version, "loader": trainer.loader.state_dict()}
+    for attr in KL_CONTROLLER_ATTRS:
+        ctrl = getattr(trainer, attr, None)
+        if ctrl is not None:
+            state["kl_controller"] = {"attr": attr, **(ctrl.state_dict() if hasattr(ctrl, "state_dict")
+                                                       else {"value": float(ctrl.value)})}
+    return state
+
+
+def _restore_controller(trainer, state: dict) -> None:
+    trainer.version = int(state["weight_version"])
+    trainer.loader.load_state_dict(state["loader"])
+    kl = state.get("kl_controller")
+    if kl is not None:
+        ctrl = getattr(trainer, kl["attr"], None)
+        if ctrl is None:
+            raise CheckpointError(f"{CONTROLLER}: the checkpoint has a KL controller, the job has none")
+        values = {k: v for k, v in kl.items() if k != "attr"}
+        if hasattr(ctrl, "load_state_dict"):
+            ctrl.load_state_dict(values)
+        else:
+            ctrl.value = values["value"]
+
+
+def trainer_roles(trainer) -> dict:
+    """The trainer's roles whose weights and optimizer state a checkpoint holds."""
+    return {r: getattr(trainer, r) for r in CHECKPOINT_ROLES if getattr(trainer, r, None) is not None}
+
+
+def job_yaml(cfg) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+# --------------------------------------------------------------------------------------- resuming
+def find_resume_checkpoint(resume: str, checkpoint_dir: str, log: Callable[[str], None] = print
+                           ) -> Optional[tuple[str, dict]]:
+    """(folder, controller state) of the checkpoint to resume from, or None to start from scratch.
+
+    - ``never``: None.
+    - ``auto``: the checkpoint ``latest`` names (or, without a pointer, the newest one); one that fails
+      verification is reported and the previous complete checkpoint is tried. None when there is
+      no checkpoint at all; ``CheckpointError`` when checkpoints exist but none is usable.
+    - a path: that checkpoint folder (or the one ``latest`` names, for a checkpoint_dir), strictly:
+      a bad file is an error naming it, there is no fallback."""
+    if resume == "never":
+        return None
+    if resume != "auto":
+        folder = resume
+        if os.path.isfile(os.path.join(resume, LATEST)):
+            folder = read_latest(resume)
+            if folder is None:
+                raise CheckpointError(f"{os.path.join(resume, LATEST)}: does not name a step_N checkpoint")
+        return folder, verify_checkpoint(folder)
+
+    candidates = list_checkpoints(checkpoint_dir)
+    latest = read_latest(checkpoint_dir)
+    if latest is not None and os.path.isdir(latest):
+        latest_step = int(_STEP_DIR.match(os.path.basename(latest)).group(1))
+        # A folder newer than `latest` was renamed into place but never committed by the pointer.
+        candidates = [(s, f) for s, f in candidates if s <= latest_step]
+    elif candidates:
+        log(f"checkpoint: {os.path.join(checkpoint_dir, LATEST)} is missing or names no checkpoint; "
+            f"looking at the step_N folders instead")
+    failures = []
+    for _, folder in candidates:
+        try:
+            state = verify_checkpoint(folder)
+        except CheckpointError as e:
+            failures.append(str(e))
+            log(f"checkpoint: cannot resume from {folder}: {e}")
+            continue
+        if failures:
+            log(f"checkpoint: falling back to the previous complete checkpoint {folder}")
+        return folder, state
+    if failures:
+        raise CheckpointError(f"no usable checkpoint in {checkpoint_dir}: " + "; ".join(failures))
+    return None
+
+
+def _spec_changes(old_yaml: str, cfg) -> list[str]:
+    """Keys whose values differ between the saved job spec and this one (e.g. a new TP/PP layout)."""
+    from omegaconf import OmegaConf
+
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            if isinstance(v, dict):
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+
+    old = flat(OmegaConf.to_container(OmegaConf.create(old_yaml)))
+    new = flat(OmegaConf.to_container(OmegaConf.structured(cfg)))
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
+            if old.get(k) != new.get(k)]
+
+
+def trim_metrics(run_dir: str, step: int) -> None:
+    """Drops the lines of steps after ``step`` from ``<run_dir>/metrics.jsonl``: the steps a killed
+    run logged after its last checkpoint are run again, and each step must appear once."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a line cut short by the kill
+    if len(kept) != len(lines):
+        _write_atomic(path, "".join(kept))
+
+
+def resume(trainer, log: Callable[[str], None] = print) -> int:
+    """Resumes ``trainer`` per ``trainer.resume`` and returns the step it continues after (0: a fresh
+    start). Restores every trainable role (any TP/PP layout), the controller state and RNG states,
+    then pushes the restored actor weights to the rollout engines under the saved weight version."""
+    import torch
+
+    from rlcore.weight_sync import sync_weights
+
+    t = trainer.cfg.trainer
+    found = find_resume_checkpoint(t.resume, checkpoint_dir_of(t), log)
+    if found is None:
+        return 0
+    folder, state = found
+    roles = trainer_roles(trainer)
+    for role, group in roles.items():
+        role_dir = os.path.join(folder, role)
+        if not os.path.isdir(role_dir):
+            raise CheckpointError(f"{role_dir}: missing; the checkpoint holds the roles {state.get('roles')} "
+                                  f"but this job trains {sorted(roles)}")
+    with open(os.path.join(folder, JOB)) as f:
+        changes = _spec_changes(f.read(), trainer.cfg)
+    if changes:
+        log(f"checkpoint: the job spec differs from the one that saved {folder}: " + "; ".join(changes))
+    for role, group in roles.items():
+        group.load_checkpoint(os.path.join(folder, role))
+    _restore_controller(trainer, state)
+    set_rng_states(torch.load(os.path.join(folder, RNG), weights_only=False))
+    sync_weights(trainer.actor, trainer.rollout, trainer.version)
+    step = int(state["step"])
+    trim_metrics(t.run_dir, step)
+    log(f"checkpoint: resumed from {folder} (step {step}, weight version {trainer.version})")
+    return step
+
+
+def maybe_save(trainer, step: int, log: Callable[[str], None] = print) -> Optional[str]:
+    """Saves a checkpoint at the end of ``step`` when ``trainer.save_every`` divides it (or at the
+    last step)."""
+    t = trainer.cfg.trainer
+    if not t.save_every or (step % t.save_every and step != t.total_steps):
+        return None
+    return save_checkpoint(checkpoint_dir_of(t), step, trainer_roles(trainer), controller_state(trainer, step),
+                           job_yaml(trainer.cfg), t.keep_last, log)
+
+
+def log_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
