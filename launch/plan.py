@@ -1,0 +1,553 @@
+"""``rlx plan``: memory per GPU of every role of a job spec, and ``--suggest``: valid layouts, ranked.
+
+Everything here is arithmetic on the HF config.json (the model's shape) and the job spec; nothing is
+loaded or started, so a cluster spec is planned on a laptop. The parameter counts are exactly what
+megatron-core's GPTModel holds per rank (tests/test_plan.py builds the model and compares); the
+memory model follows how the workers run it:
+
+- weights: parameters in the model dtype (bf16 on the gpu profile, fp32 on cpu);
+- gradients: megatron DDP's main_grad buffer, fp32 (``grad_reduce_in_fp32=True`` in the worker);
+- optimizer: Adam's two moments in fp32, plus an fp32 master copy of bf16 weights; divided by DP
+  with ``optim.use_distributed_optimizer`` (megatron's 6 + 12/DP bytes per parameter in bf16);
+- activations: what one micro-batch of ``micro_batch_size`` x (max_prompt_length +
+  max_response_length) tokens keeps for the backward, per layer, times the micro-batches a 1F1B
+  pipeline stage holds in flight, plus the fp32 vocab-parallel logits of the last stage; no
+  activation recomputation (the workers do not enable it);
+- rollout (vLLM): ``gpu_memory_utilization`` of the GPU minus the weights / TP and a profile-run
+  reserve is the KV cache; it must hold at least one sequence of the maximal length.
+Roles on one pool (actor and reference) are resident together: their estimates add up.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+from rlcore.job import ConfigError, JobLayout, RoleLayout, load_hf_config
+
+GB = 1e9
+BYTES = {"bfloat16": 2, "float32": 4}
+
+# vLLM's start-up profile run: a forward over this many batched tokens decides its activation peak
+# (its max_num_batched_tokens default), plus memory outside torch's allocator (NCCL, CUDA context).
+VLLM_PROFILE_TOKENS = 8192
+VLLM_NON_TORCH_GB = 1.0
+VLLM_MAX_NUM_SEQS = 256  # vLLM's default cap on sequences decoded together per engine
+
+# The cost model of --suggest: an H100-class node (one step's seconds only rank layouts; they are not
+# a forecast of the wall time).
+PEAK_FLOPS = 989e12  # dense bf16
+MFU = 0.4  # share of the peak a Megatron update reaches
+HBM_BYTES_S = 3.35e12  # decode reads every weight and the KV cache once per generated token
+NVLINK_BYTES_S = 200e9  # per GPU, effective for all-reduce inside a node
+NETWORK_BYTES_S = 40e9  # per GPU, effective between nodes (400 Gb/s InfiniBand)
+ALLREDUCE_LATENCY_S = 15e-6  # one small all-reduce (vLLM does two per layer per decode step under TP)
+# A training pool's estimate must stay below this share of the GPU: the rest is the CUDA context, NCCL
+# buffers and the caching allocator's fragmentation, which the estimate does not count.
+TRAIN_MEMORY_SHARE = 0.9
+
+
+class PlanError(ConfigError):
+    """A layout that cannot fit or cannot be placed; one sentence naming the key to change."""
+
+
+# ------------------------------------------------------------------------------------ the model
+@dataclass(frozen=True)
+class ModelDims:
+    """The architecture facts the memory model needs (Qwen2 / Llama: GQA, SwiGLU, RMSNorm)."""
+
+    architecture: str
+    hidden: int
+    ffn: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    qkv_bias: bool
+    tied: bool
+
+    @classmethod
+    def from_hf(cls, hf: dict, source: str) -> "ModelDims":
+        try:
+            heads = int(hf["num_attention_heads"])
+            hidden = int(hf["hidden_size"])
+            arch = (hf.get("architectures") or ["?"])[0]
+            return cls(architecture=arch, hidden=hidden, ffn=int(hf["intermediate_size"]),
+                       layers=int(hf["num_hidden_layers"]), heads=heads,
+                       kv_heads=int(hf.get("num_key_value_heads") or heads),
+                       head_dim=int(hf.get("head_dim") or hidden // heads), vocab=int(hf["vocab_size"]),
+                       qkv_bias=arch.startswith("Qwen2") or bool(hf.get("attention_bias", False)),
+                       tied=bool(hf.get("tie_word_embeddings", False)))
+        except KeyError as e:
+            raise ConfigError(f"{source} has no {e.args[0]!r}, which the planner needs") from e
+
+    @property
+    def qkv_width(self) -> int:  # rows of the fused QKV projection
+        return (self.heads + 2 * self.kv_heads) * self.head_dim
+
+    def layer_params(self, tp: int) -> int:
+        """One transformer layer on one TP rank: QKV (+bias), output projection and the SwiGLU MLP
+        are split by TP; the two RMSNorm weights are replicated."""
+        h = self.hidden
+        qkv = h * self.qkv_width + (self.qkv_width if self.qkv_bias else 0)
+        proj = self.heads * self.head_dim * h
+        mlp = h * 2 * self.ffn + self.ffn * h
+        return (qkv + proj + mlp) // tp + 2 * h
+
+    def stage_params(self, tp: int, pp: int, stage: int, value_head: bool = False) -> int:
+        """Parameters of one rank of pipeline stage ``stage`` (megatron GPTModel): its layers, the
+        word embeddings on the first stage, the final norm and the output layer on the last. Tied
+        embeddings still hold a copy on the last stage when PP > 1 (megatron syncs it). The critic's
+        value head (``value_head``) replaces the output layer with a replicated Linear(hidden, 1)."""
+        n = self.layers // pp * self.layer_params(tp)
+        embedding = self.vocab // tp * self.hidden
+        if stage == 0:
+            n += embedding
+        if stage == pp - 1:
+            n += self.hidden  # final norm
+            if value_head:
+                n += self.hidden + 1
+            elif not self.tied or pp > 1:
+                n += embedding
+        return n
+
+    def total_params(self) -> int:
+        return self.stage_params(1, 1, 0)
+
+    def kv_heads_per_rank(self, tp: int) -> int:
+        """vLLM splits KV heads over TP ranks, or replicates them when there are fewer heads than ranks."""
+        return max(1, self.kv_heads // tp)
+
+
+# ----------------------------------------------------------------------------------- estimates
+@dataclass
+class RoleEstimate:
+    role: str
+    pool: str
+    gpus: int
+    tp: int
+    pp: int
+    dp: int  # rollout: engines
+    params: int  # per GPU (the worst pipeline stage)
+    weights: float  # bytes per GPU
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    kv_cache: float = 0.0  # rollout
+    kv_sequences: int = 0  # rollout: maximal-length sequences the KV cache holds at once
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations + self.kv_cache
+
+
+@dataclass
+class Plan:
+    model: ModelDims
+    source: str
+    device: str
+    dtype: str
+    gpu_memory: float  # bytes
+    roles: list[RoleEstimate]
+    seq_len: int
+    sequences: int  # per step
+
+    def pool_totals(self) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        for r in self.roles:
+            totals[r.pool] = totals.get(r.pool, 0.0) + r.total
+        return totals
+
+
+def _activation_bytes_per_token_layer(m: ModelDims, tp: int, device: str, seq_len: int, act_bytes: int) -> float:
+    """What one layer keeps for the backward per token on one TP rank: the two norm inputs and the
+    QKV/MLP inputs (hidden-sized; split by TP only under sequence parallelism, which the gpu profile
+    turns on for TP > 1), Q/K/V and the attention output, the SwiGLU input (2 x ffn) and output.
+    The cpu profile's unfused attention also keeps the [heads, s, s] scores and probabilities (fp32)."""
+    sp = tp if device == "gpu" else 1
+    per_token = (4 * m.hidden / sp + m.qkv_width / tp + m.heads * m.head_dim / tp + 3 * m.ffn / tp) * act_bytes
+    if device == "cpu":
+        per_token += 2 * (m.heads / tp) * seq_len * 4
+    return per_token
+
+
+def _train_role(m: ModelDims, role: str, lay: RoleLayout, dtype: str, device: str, seq_len: int,
+                micro_batch: int, microbatches: int, trainable: bool, distributed_optimizer: bool,
+                value_head: bool = False) -> RoleEstimate:
+    wbytes = BYTES[dtype]
+    tokens = micro_batch * seq_len
+    per_layer = _activation_bytes_per_token_layer(m, lay.tp, device, seq_len, wbytes) * tokens
+    logits = 0.0 if value_head else 2 * tokens * (m.vocab / lay.tp) * 4  # fp32 logits and their softmax
+    worst: Optional[RoleEstimate] = None
+    for stage in range(lay.pp):
+        params = m.stage_params(lay.tp, lay.pp, stage, value_head)
+        last = stage == lay.pp - 1
+        if trainable:
+            # 1F1B: stage s holds the activations of up to pp - s micro-batches before its first backward.
+            in_flight = min(lay.pp - stage, microbatches)
+            acts = in_flight * (m.layers // lay.pp) * per_layer + (logits if last else 0.0)
+            master = 4 if dtype == "bfloat16" else 0  # fp32 copy of bf16 weights
+            optim = params * (8 + master) / (lay.dp if distributed_optimizer else 1)
+            grads = params * 4.0
+        else:  # forward only: one layer's working set, and the logits
+            acts, optim, grads = per_layer + (logits if last else 0.0), 0.0, 0.0
+        est = RoleEstimate(role=role, pool=lay.pool, gpus=lay.gpus, tp=lay.tp, pp=lay.pp, dp=lay.dp,
+                           params=params, weights=params * wbytes, grads=grads, optimizer=optim,
+                           activations=acts)
+        if worst is None or est.total > worst.total:
+            worst = est
+    if lay.pp > 1:
+        worst.notes.append(f"worst pipeline stage of {lay.pp}")
+    return worst
+
+
+def _rollout_role(m: ModelDims, cfg, layout: JobLayout, gpu_memory: float, seq_len: int) -> RoleEstimate:
+    ro, r = layout.rollout, cfg.rollout
+    wbytes = BYTES[layout.dtype]
+    params = m.total_params()
+    weights = params / ro.tp * wbytes  # vLLM shards every matrix, the vocabulary included, by its TP
+    kv_per_token = 2 * m.layers * m.kv_heads_per_rank(ro.tp) * m.head_dim * wbytes  # K and V
+    if layout.device == "cpu":
+        kv = r.kv_cache_gb * 2 ** 30
+        reserve = 0.0
+        note = "cpu profile: rollout.kv_cache_gb of host memory"
+    else:
+        profile_acts = VLLM_PROFILE_TOKENS * (2 * m.hidden + m.qkv_width / ro.tp + 3 * m.ffn / ro.tp) * wbytes
+        reserve = profile_acts + VLLM_NON_TORCH_GB * GB
+        kv = r.gpu_memory_utilization * gpu_memory - weights - reserve
+        note = f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} of {gpu_memory / GB:g} GB"
+    est = RoleEstimate(role="rollout", pool=ro.pool, gpus=ro.gpus, tp=ro.tp, pp=1, dp=ro.engines,
+                       params=math.ceil(params / ro.tp), weights=weights, activations=reserve,
+                       kv_cache=max(kv, 0.0), notes=[note])
+    est.kv_sequences = int(max(kv, 0.0) // (kv_per_token * seq_len))
+    return est
+
+
+def read_model(cfg) -> tuple[ModelDims, str]:
+    """The model's dimensions from model.path's config.json, or model.hf_config when the folder is not here."""
+    hf, source = load_hf_config(cfg.model.path, cfg.model.hf_config)
+    return ModelDims.from_hf(hf, source), source
+
+
+def estimate(cfg, layout: JobLayout, model: Optional[tuple[ModelDims, str]] = None) -> Plan:
+    """Every role's memory per GPU for the validated ``layout`` of ``cfg``."""
+    m, source = model or read_model(cfg)
+    seq_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    sequences = cfg.data.batch_size * cfg.rollout.n
+    mini = getattr(cfg.actor, "ppo_mini_batch_size", None) or cfg.data.batch_size
+    step_sequences = mini * cfg.rollout.n  # sequences per optimizer step
+    gpu_memory = cfg.resources.gpu_memory_gb * GB
+    a = cfg.actor
+    roles = [_train_role(m, "actor", layout.actor, layout.dtype, layout.device, seq_len, a.micro_batch_size,
+                         max(1, step_sequences // (layout.actor.dp * a.micro_batch_size)), True,
+                         a.optim.use_distributed_optimizer)]
+    if layout.reference is not None:
+        mb = cfg.reference.micro_batch_size or a.micro_batch_size
+        roles.append(_train_role(m, "reference", layout.reference, layout.dtype, layout.device, seq_len, mb, 1,
+                                 False, False))
+    critic_layout = getattr(layout, "critic", None)
+    if critic_layout is not None:
+        c = cfg.critic
+        roles.append(_train_role(m, "critic", critic_layout, layout.dtype, layout.device, seq_len,
+                                 c.micro_batch_size,
+                                 max(1, step_sequences // (critic_layout.dp * c.micro_batch_size)), True,
+                                 c.optim.use_distributed_optimizer, value_head=True))
+    roles.append(_rollout_role(m, cfg, layout, gpu_memory, seq_len))
+    return Plan(model=m, source=source, device=layout.device, dtype=layout.dtype, gpu_memory=gpu_memory,
+                roles=roles, seq_len=seq_len, sequences=sequences)
+
+
+def check(plan: Plan, cfg) -> None:
+    """Raise ``PlanError`` naming the key to change when a pool or the rollout cannot fit."""
+    res = cfg.resources
+    if res.gpus_per_node is not None:
+        total = sum(res.pools.values())
+        if total > res.nodes * res.gpus_per_node:
+            raise PlanError(f"resources.pools need {total} GPUs but resources.nodes*resources.gpus_per_node="
+                            f"{res.nodes}*{res.gpus_per_node}={res.nodes * res.gpus_per_node}")
+        for r in plan.roles:
+            if res.gpus_per_node % r.tp:
+                raise PlanError(f"{r.role}.tp={r.tp} does not divide resources.gpus_per_node={res.gpus_per_node}: "
+                                "a tensor-parallel group must sit inside one node")
+    ro = next(r for r in plan.roles if r.role == "rollout")
+    if ro.kv_sequences < 1:
+        if plan.device == "cpu":
+            raise PlanError(f"rollout.kv_cache_gb={cfg.rollout.kv_cache_gb} cannot hold one sequence of "
+                            f"{plan.seq_len} tokens (data.max_prompt_length + rollout.max_response_length)")
+        raise PlanError(
+            f"rollout.tp={ro.tp}: the model's weights ({ro.weights / GB:.1f} GB per GPU) and vLLM's reserve "
+            f"({ro.activations / GB:.1f} GB) leave no KV cache for one sequence of {plan.seq_len} tokens within "
+            f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} of "
+            f"resources.gpu_memory_gb={cfg.resources.gpu_memory_gb:g}; raise rollout.tp")
+    if plan.device == "cpu":
+        return  # logical GPUs share host memory; resources.gpu_memory_gb does not apply
+    for pool, total in plan.pool_totals().items():
+        if pool == ro.pool:
+            continue
+        if total > TRAIN_MEMORY_SHARE * plan.gpu_memory:
+            on_pool = [r for r in plan.roles if r.pool == pool]
+            parts = " + ".join(f"{r.role} {r.total / GB:.1f}" for r in on_pool)
+            worst = max(on_pool, key=lambda r: r.total)
+            hint = (f"{worst.role}.tp/{worst.role}.pp" if worst.role == "reference" else
+                    f"{worst.role}.tp or {worst.role}.pp, set {worst.role}.optim.use_distributed_optimizer=true, "
+                    f"or lower {worst.role}.micro_batch_size")
+            raise PlanError(f"pool {pool!r} needs {total / GB:.1f} GB per GPU ({parts}), more than "
+                            f"{TRAIN_MEMORY_SHARE:.0%} of resources.gpu_memory_gb={cfg.resources.gpu_memory_gb:g} "
+                            f"(the rest is CUDA context, NCCL buffers, fragmentation); raise {hint}")
+
+
+# ---------------------------------------------------------------------------------------- output
+def _gb(x: float) -> str:
+    if not x:
+        return "-"
+    return f"{x / GB:.1f}" if x >= 0.1 * GB else f"{x / GB:.4f}"  # a tiny (CPU) model still shows its figures
+
+
+def _params(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
+
+
+def format_plan(plan: Plan, cfg) -> str:
+    m = plan.model
+    lines = [f"model: {m.architecture}, {_params(m.total_params())} parameters ({plan.source}); "
+             f"{plan.device} profile, {plan.dtype}"]
+    lines.append(f"batch: {cfg.data.batch_size} prompts x {cfg.rollout.n} samples = {plan.sequences} sequences "
+                 f"of up to {cfg.data.max_prompt_length}+{cfg.rollout.max_response_length}={plan.seq_len} tokens")
+    if plan.device == "gpu":
+        lines.append(f"GPU memory: {plan.gpu_memory / GB:g} GB (resources.gpu_memory_gb)")
+    lines.append("")
+    head = ("role", "pool", "gpus", "tp", "pp", "dp", "params/GPU", "weights", "grads", "optimizer",
+            "activations", "kv cache", "total GB")
+    rows = [head]
+    for r in plan.roles:
+        rows.append((r.role, r.pool, r.gpus, r.tp, "-" if r.role == "rollout" else r.pp,
+                     f"{r.dp} engines" if r.role == "rollout" else r.dp, _params(r.params), _gb(r.weights),
+                     _gb(r.grads), _gb(r.optimizer), _gb(r.activations), _gb(r.kv_cache), _gb(r.total)))
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    lines.append("")
+    for pool, total in plan.pool_totals().items():
+        on = [r.role for r in plan.roles if r.pool == pool]
+        share = f" of {plan.gpu_memory / GB:g} ({total / plan.gpu_memory:.0%})" if plan.device == "gpu" else ""
+        lines.append(f"pool {pool!r}: {' + '.join(on)} = {_gb(total)} GB per GPU{share}")
+    ro = next(r for r in plan.roles if r.role == "rollout")
+    demand = math.ceil(plan.sequences / ro.dp)
+    lines.append(f"rollout KV cache: {ro.kv_sequences} sequences of {plan.seq_len} tokens at once per engine "
+                 f"({demand} per engine per step; {ro.notes[0]})")
+    for r in plan.roles:
+        for note in r.notes[(1 if r.role == "rollout" else 0):]:
+            lines.append(f"{r.role}: {note}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------- suggest
+@dataclass
+class Candidate:
+    actor: RoleLayout
+    critic: Optional[RoleLayout]
+    rollout_tp: int
+    rollout_engines: int
+    plan: Plan
+    rollout_s: float
+    train_s: float
+    sync_s: float
+
+    @property
+    def step_s(self) -> float:
+        return self.rollout_s + self.train_s + self.sync_s
+
+
+def _valid_tps(m: ModelDims, gpus_per_node: int) -> list[int]:
+    return [t for t in (1, 2, 4, 8, 16) if t <= gpus_per_node and gpus_per_node % t == 0 and not m.heads % t
+            and not m.kv_heads % t and not m.ffn % t and not m.vocab % t]
+
+
+def _pool_sizes(total: int, gpus_per_node: int, nodes: int) -> list[int]:
+    """Pool sizes worth trying: whole nodes on a multi-node allocation (a pool never shares a node's
+    NVLink domain with another pool's traffic), powers of two inside a single node."""
+    if nodes > 1:
+        return [k * gpus_per_node for k in range(1, nodes)]
+    return [g for g in (1, 2, 4, 8, 16) if g < total]
+
+
+def _train_seconds(m: ModelDims, lay: RoleLayout, tokens: float, forward_passes: int, gpus_per_node: int,
+                   microbatches: int, optimizer_steps: int, with_update: bool) -> float:
+    """Compute at MFU of the pool's peak, stretched by the pipeline bubble, plus TP all-reduces on
+    NVLink and the DP gradient all-reduce (over the network once the DP group spans nodes)."""
+    params = m.total_params()
+    flops = (6 if with_update else 0) * params * tokens + 2 * forward_passes * params * tokens
+    bubble = (lay.pp - 1) / (microbatches + lay.pp - 1)
+    # A pipeline runs at its slowest stage's pace: the last one also computes the output layer.
+    layer = m.layer_params(1)
+    output = m.vocab * m.hidden
+    imbalance = (m.layers // lay.pp * layer + output) / ((m.layers * layer + output) / lay.pp)
+    compute = flops / (lay.gpus * PEAK_FLOPS * MFU) / (1 - bubble) * imbalance
+    # Per layer: 2 all-reduces of [tokens, hidden] forward, 2 more backward (ring: 2(tp-1)/tp of it).
+    allreduces = (4 if with_update else 0) + 2 * forward_passes
+    tp_bytes = allreduces * (m.layers // lay.pp) * (tokens / lay.dp) * m.hidden * 2 * 2 * (lay.tp - 1) / lay.tp
+    tp_comm = tp_bytes / NVLINK_BYTES_S
+    dp_comm = 0.0
+    if with_update and lay.dp > 1:
+        bw = NETWORK_BYTES_S if lay.gpus > gpus_per_node else NVLINK_BYTES_S
+        grad_bytes = m.stage_params(lay.tp, lay.pp, 0) * 4 * 2 * (lay.dp - 1) / lay.dp
+        dp_comm = optimizer_steps * grad_bytes / bw
+    # PP: every micro-batch's [tokens, hidden] bf16 activations cross each stage boundary forward and
+    # back, over NVLink inside a node and the network when a replica's TP x PP spans nodes.
+    passes = (2 if with_update else 0) + forward_passes
+    pp_bw = NETWORK_BYTES_S if lay.tp * lay.pp > gpus_per_node else NVLINK_BYTES_S
+    pp_comm = passes * (lay.pp - 1) * (tokens / lay.dp) * m.hidden * 2 / pp_bw if lay.pp > 1 else 0.0
+    return compute + tp_comm + dp_comm + pp_comm
+
+
+def _rollout_seconds(m: ModelDims, ro: RoleEstimate, sequences: int, prompt_len: int, response_len: int) -> float:
+    """Decode is memory-bound: each step reads the engine's weights shard and the KV cache of the
+    sequences decoded together, plus two all-reduces per layer under TP; prefill is compute at MFU."""
+    per_engine = math.ceil(sequences / ro.dp)
+    together = max(1, min(per_engine, ro.kv_sequences, VLLM_MAX_NUM_SEQS))
+    waves = math.ceil(per_engine / together)
+    kv_token = 2 * m.layers * m.kv_heads_per_rank(ro.tp) * m.head_dim * 2
+    kv_read = together * (prompt_len + response_len / 2) * kv_token
+    # Roofline: a decode step is bound by reading the weights and KV, or by its FLOPs at a large batch.
+    memory = (ro.weights + kv_read) / HBM_BYTES_S
+    compute = 2 * m.total_params() * together / (ro.tp * PEAK_FLOPS * MFU)
+    step = max(memory, compute) + (2 * m.layers * ALLREDUCE_LATENCY_S if ro.tp > 1 else 0.0)
+    prefill = 2 * m.total_params() * per_engine * prompt_len / (ro.tp * PEAK_FLOPS * MFU)
+    return waves * response_len * step + prefill
+
+
+@dataclass
+class Suggestions:
+    best: list[Candidate]  # the top ones, fastest first
+    tried: int  # layouts enumerated
+    valid: int  # of which divide and fit
+    spec_rank: Optional[int]  # where the spec's own layout ranks (1-based), None when it is not among them
+    spec: Optional[Candidate]
+
+
+def _is_spec_layout(c: Candidate, layout: JobLayout) -> bool:
+    spec_critic = getattr(layout, "critic", None)
+    same_critic = (c.critic is None and spec_critic is None) or (
+        c.critic is not None and spec_critic is not None
+        and (c.critic.gpus, c.critic.tp, c.critic.pp) == (spec_critic.gpus, spec_critic.tp, spec_critic.pp))
+    return (same_critic and (c.actor.gpus, c.actor.tp, c.actor.pp) == (layout.actor.gpus, layout.actor.tp, layout.actor.pp)
+            and (c.rollout_engines, c.rollout_tp) == (layout.rollout.engines, layout.rollout.tp))
+
+
+def suggest(cfg, layout: JobLayout, gpus_per_node: int, nodes: int, top: int = 10) -> Suggestions:
+    """Every layout of the spec's model and batch on ``nodes`` x ``gpus_per_node`` GPUs that divides
+    and fits, ranked by the estimated seconds per step (fastest first)."""
+    m, source = model = read_model(cfg)
+    total = gpus_per_node * nodes
+    prompt_len, response_len = cfg.data.max_prompt_length, cfg.rollout.max_response_length
+    sequences = cfg.data.batch_size * cfg.rollout.n
+    tokens = sequences * (prompt_len + response_len)
+    mini = getattr(cfg.actor, "ppo_mini_batch_size", None) or cfg.data.batch_size
+    optimizer_steps = max(1, cfg.data.batch_size // mini) * getattr(cfg.actor, "ppo_epochs", 1)
+    has_critic = getattr(layout, "critic", None) is not None
+    tps = _valid_tps(m, gpus_per_node)
+    sizes = _pool_sizes(total, gpus_per_node, nodes)
+    tried, found = 0, []
+    for actor_gpus in sizes:
+        for critic_gpus in (sizes if has_critic else [0]):
+            rollout_gpus = total - actor_gpus - critic_gpus
+            if rollout_gpus < 1:
+                continue
+            for tp, pp, rtp, ctp, cpp in itertools.product(
+                    tps, _divisors(m.layers), [t for t in tps], tps if has_critic else [1],
+                    _divisors(m.layers) if has_critic else [1]):
+                tried += 1
+                cand = _candidate(cfg, layout, model, actor_gpus, critic_gpus, rollout_gpus, tp, pp, rtp, ctp, cpp,
+                                  gpus_per_node, nodes, tokens, sequences, prompt_len, response_len, optimizer_steps)
+                if cand is not None:
+                    found.append(cand)
+    found.sort(key=lambda c: c.step_s)
+    rank = next((i for i, c in enumerate(found, 1) if _is_spec_layout(c, layout)), None)
+    return Suggestions(found[:top], tried, len(found), rank, found[rank - 1] if rank else None)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in (1, 2, 4, 8, 16) if not n % d]
+
+
+def _candidate(cfg, layout, model, actor_gpus, critic_gpus, rollout_gpus, tp, pp, rtp, ctp, cpp, gpus_per_node,
+               nodes, tokens, sequences, prompt_len, response_len, optimizer_steps) -> Optional[Candidate]:
+    m = model[0]
+    if actor_gpus % (tp * pp) or rollout_gpus % rtp or (critic_gpus and critic_gpus % (ctp * cpp)):
+        return None
+    step_sequences = (getattr(cfg.actor, "ppo_mini_batch_size", None) or cfg.data.batch_size) * cfg.rollout.n
+    actor = RoleLayout(pool="actor", gpus=actor_gpus, tp=tp, pp=pp, dp=actor_gpus // (tp * pp))
+    if step_sequences % (actor.dp * cfg.actor.micro_batch_size):
+        return None
+    critic = None
+    if critic_gpus:
+        critic = RoleLayout(pool="critic", gpus=critic_gpus, tp=ctp, pp=cpp, dp=critic_gpus // (ctp * cpp))
+        if step_sequences % (critic.dp * cfg.critic.micro_batch_size):
+            return None
+    pools = {"actor": actor_gpus, "rollout": rollout_gpus, **({"critic": critic_gpus} if critic else {})}
+    trial_cfg = replace(cfg, resources=replace(cfg.resources, pools=pools, nodes=nodes, gpus_per_node=gpus_per_node))
+    trial = replace(layout, actor=actor,
+                    reference=replace(actor, pool="actor") if layout.reference is not None else None,
+                    rollout=replace(layout.rollout, pool="rollout", gpus=rollout_gpus, engines=rollout_gpus // rtp,
+                                    tp=rtp))
+    if critic is not None:
+        trial = replace(trial, critic=critic)
+    plan = estimate(trial_cfg, trial, model)
+    try:
+        check(plan, trial_cfg)
+    except PlanError:
+        return None
+    ro = next(r for r in plan.roles if r.role == "rollout")
+    forward = 1 + (layout.reference is not None)  # old log-probs, reference log-probs
+    microbatches = max(1, step_sequences // (actor.dp * cfg.actor.micro_batch_size))
+    train = _train_seconds(m, actor, tokens, forward, gpus_per_node, microbatches, optimizer_steps, True)
+    if critic is not None:
+        train += _train_seconds(m, critic, tokens, 1, gpus_per_node, microbatches, optimizer_steps, True)
+    # Weight sync: the full bf16 model crosses from the actor's nodes to the rollout's.
+    sync = m.total_params() * 2 / (NETWORK_BYTES_S if nodes > 1 else NVLINK_BYTES_S)
+    return Candidate(actor=actor, critic=critic, rollout_tp=rtp, rollout_engines=rollout_gpus // rtp, plan=plan,
+                     rollout_s=_rollout_seconds(m, ro, sequences, prompt_len, response_len), train_s=train,
+                     sync_s=sync)
+
+
+COST_MODEL = f"""cost model (seconds per step, to rank layouts; not a forecast):
+  rollout = waves x response tokens x decode step + prefill at {MFU:.0%} MFU; a decode step is the larger of
+            (weights/TP + KV read) / HBM {HBM_BYTES_S / 1e12:g} TB/s and its FLOPs at {MFU:.0%} MFU, plus 2 all-reduces
+            per layer when rollout.tp > 1; waves = sequences per engine / what its KV cache decodes together
+            (at most {VLLM_MAX_NUM_SEQS})
+  train   = (6 update + 2 per forward pass) x params x tokens / (GPUs x {PEAK_FLOPS / 1e12:g} TFLOP/s x {MFU:.0%})
+            / (1 - PP bubble (pp-1)/(microbatches+pp-1)) x slowest stage / mean stage (the last stage also
+            computes the output layer) + TP all-reduces at {NVLINK_BYTES_S / 1e9:g} GB/s + PP activation sends
+            + DP gradient all-reduce ({NETWORK_BYTES_S / 1e9:g} GB/s once the pool spans nodes)
+  sync    = the bf16 model once over the network ({NETWORK_BYTES_S / 1e9:g} GB/s per GPU)
+  pools are whole nodes on more than one node; every layout shown divides the model and the batch and
+  fits {TRAIN_MEMORY_SHARE:.0%} of resources.gpu_memory_gb with the spec's micro-batch, sequence length and
+  optimizer settings."""
+
+
+def format_suggestions(s: Suggestions, gpus_per_node: int, nodes: int) -> str:
+    cands, tried = s.best, s.tried
+    if not cands:
+        return (f"no layout on {nodes} x {gpus_per_node} GPUs divides and fits ({tried} tried); raise "
+                "resources.gpu_memory_gb, lower the micro-batch size or the sequence length, or add nodes")
+    head = ("#", "actor pool", "tp", "pp", "dp", "critic pool", "rollout pool", "engines x tp", "train GB/GPU",
+            "kv seqs", "rollout s", "train s", "sync s", "step s")
+    rows = [head]
+    for i, c in enumerate(cands, 1):
+        totals = c.plan.pool_totals()
+        ro = next(r for r in c.plan.roles if r.role == "rollout")
+        rows.append((i, c.actor.gpus, c.actor.tp, c.actor.pp, c.actor.dp,
+                     f"{c.critic.gpus} (tp{c.critic.tp} pp{c.critic.pp})" if c.critic else "-",
+                     ro.gpus, f"{c.rollout_engines} x {c.rollout_tp}", f"{totals['actor'] / GB:.1f}",
+                     ro.kv_sequences, f"{c.rollout_s:.0f}", f"{c.train_s:.0f}", f"{c.sync_s:.1f}", f"{c.step_s:.0f}"))
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
+    lines = [f"the {len(cands)} best of {s.valid} layouts on {nodes} x {gpus_per_node} GPUs that divide and fit "
+             f"({tried} tried):"]
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    if s.spec_rank is not None:
+        lines.append(f"the spec's own layout ranks #{s.spec_rank} of {s.valid} ({s.spec.step_s:.0f} s per step)")
+    else:
+        lines.append("the spec's own layout is not among them (other pools or nodes, or it does not fit)")
+    return "\n".join(lines + ["", COST_MODEL])

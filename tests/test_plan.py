@@ -1,0 +1,224 @@
+"""`rlx plan`: parameter counts equal megatron-core's, the memory model's arithmetic, the real job specs,
+one-sentence refusals, and `--suggest`."""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import socket
+
+import pytest
+
+from launch import plan
+from launch.cli import main as rlx
+from rlcore.job import load_job, validate
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPECS = {
+    "grpo_qwen2.5_7b_2x8": "yaml_configs/grpo_qwen2.5_7b_2x8.yaml",
+    "ppo_llama3.1_8b_4x8": "yaml_configs/ppo_llama3.1_8b_4x8.yaml",
+    "grpo_qwen2.5_32b_8x8": "yaml_configs/grpo_qwen2.5_32b_8x8.yaml",
+}
+# (tp, pp, critic) layouts built in one world of 2 CPU processes: the TP split and the PP split (where
+# tied embeddings get a second copy on the last stage), for the actor's model and the critic's.
+LAYOUTS = [(1, 1, False), (2, 1, False), (1, 2, False), (2, 1, True), (1, 2, True)]
+WORLD = 2
+
+
+@pytest.fixture(autouse=True)
+def in_repo(monkeypatch):
+    monkeypatch.chdir(REPO)  # the specs name their hf_config relative to the repository
+
+
+def _megatron_param_counts(rank: int, port: int, models: dict, queue) -> None:
+    """One rank: for every model and layout, build megatron's GPTModel stage and count its parameters."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch.distributed as dist
+
+    from megatron_workers.cpu_compat import apply_cpu_compat
+
+    apply_cpu_compat()
+    from megatron.core import parallel_state
+
+    from megatron_workers.model import build_gpt_model, read_hf_config, transformer_config
+
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    counts = []
+    for name, path in models.items():
+        hf = read_hf_config(path)
+        for tp, pp, critic in LAYOUTS:
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+            model = build_gpt_model(hf, transformer_config(hf, "cpu", "float32", tp, pp), "cpu",
+                                    value_head_seed=1 if critic else None)
+            counts.append((name, tp, pp, critic, parallel_state.get_pipeline_model_parallel_rank(),
+                           sum(p.numel() for p in model.parameters())))
+            parallel_state.destroy_model_parallel()
+    dist.barrier()
+    queue.put(counts)
+    queue.close()
+    queue.join_thread()
+    os._exit(0)  # skip interpreter teardown: gloo and megatron threads can hold it
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_parameter_counts_per_rank_equal_megatron_core(qwen2_untied, llama_tied):
+    """Every rank's sum(p.numel()) of megatron's GPTModel (TP/PP splits, untied and tied embeddings, the
+    critic's value head) equals the planner's count for that rank's pipeline stage."""
+    models = {"qwen2_untied": qwen2_untied, "llama_tied": llama_tied}
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_megatron_param_counts, args=(r, port, models, queue)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    results = [row for _ in procs for row in queue.get(timeout=600)]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert len(results) == WORLD * len(models) * len(LAYOUTS)
+    for name, tp, pp, critic, stage, numel in results:
+        with open(os.path.join(models[name], "config.json")) as f:
+            dims = plan.ModelDims.from_hf(json.load(f), name)
+        assert dims.stage_params(tp, pp, stage, value_head=critic) == numel, (name, tp, pp, critic, stage)
+
+
+@pytest.mark.parametrize("config,params", [
+    ("qwen2.5-7b-instruct.json", 7_615_616_512),  # Qwen2.5-7B: 7.62B
+    ("llama-3.1-8b-instruct.json", 8_030_261_248),  # Llama-3.1-8B: 8.03B
+    ("qwen2.5-32b-instruct.json", 32_763_876_352),  # Qwen2.5-32B: 32.76B
+])
+def test_real_models_have_their_published_sizes(config, params):
+    with open(os.path.join("yaml_configs/hf_configs", config)) as f:
+        dims = plan.ModelDims.from_hf(json.load(f), config)
+    assert dims.total_params() == params
+    # Split over TP x PP, the shards add up to the model again, plus what every TP rank replicates
+    # (the two norms per layer and the final norm).
+    tp, pp = 4, 2
+    replicated = (tp - 1) * (2 * dims.hidden * dims.layers + dims.hidden)
+    assert tp * sum(dims.stage_params(tp, pp, s) for s in range(pp)) == params + replicated
+
+
+def _plan_of(spec, *overrides):
+    cfg = load_job(spec, list(overrides))
+    return cfg, plan.estimate(cfg, validate(cfg))
+
+
+def test_memory_figures_follow_the_workers_settings():
+    cfg, p = _plan_of(SPECS["grpo_qwen2.5_7b_2x8"])
+    actor = next(r for r in p.roles if r.role == "actor")
+    assert (actor.tp, actor.pp, actor.dp) == (2, 1, 4)
+    # 28 layers / TP 2 (norms replicated) + both vocab-parallel embeddings + the final norm
+    assert actor.params == 28 * 116_532_480 + 2 * 272_498_688 + 3584 == 3_807_910_400
+    assert actor.weights == actor.params * 2  # bf16
+    assert actor.grads == actor.params * 4  # fp32 main_grad (grad_reduce_in_fp32)
+    assert actor.optimizer == actor.params * 12 / 4  # fp32 master + Adam m, v, split over DP=4
+    _, plain = _plan_of(SPECS["grpo_qwen2.5_7b_2x8"], "actor.optim.use_distributed_optimizer=false")
+    assert next(r for r in plain.roles if r.role == "actor").optimizer == actor.params * 12
+    # Activations grow linearly with the micro-batch, the reference holds no gradients or optimizer.
+    _, mb4 = _plan_of(SPECS["grpo_qwen2.5_7b_2x8"], "actor.micro_batch_size=4")
+    assert next(r for r in mb4.roles if r.role == "actor").activations == pytest.approx(2 * actor.activations)
+    ref = next(r for r in p.roles if r.role == "reference")
+    assert ref.grads == ref.optimizer == 0
+    # The rollout: utilization x GPU = weights + reserve + KV cache; KV per sequence of 3072 tokens is
+    # K and V x 28 layers x 2 KV heads per TP rank (4 / TP 2) x 128 x bf16.
+    ro = next(r for r in p.roles if r.role == "rollout")
+    assert ro.weights + ro.activations + ro.kv_cache == pytest.approx(0.85 * 80e9)
+    assert ro.kv_sequences == int(ro.kv_cache // (2 * 28 * 2 * 128 * 2 * 3072))
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_real_specs_validate_and_plan_here(name, capsys):
+    assert rlx(["validate", SPECS[name]]) == 0
+    assert "is not on this machine: checked against model.hf_config" in capsys.readouterr().out
+    assert rlx(["plan", SPECS[name]]) == 0
+    out = capsys.readouterr().out
+    assert "role       pool" in out and "params/GPU" in out and "kv cache" in out
+    assert "fits: every pool is within its GPU memory" in out
+    roles = {line.split()[0] for line in out.splitlines() if line.split()[:1] in (["actor"], ["rollout"], ["critic"])}
+    assert roles == ({"actor", "rollout", "critic"} if name.startswith("ppo") else {"actor", "rollout"})
+
+
+@pytest.mark.parametrize("spec,overrides,message", [
+    ("ppo_llama3.1_8b_4x8", ["actor.tp=16"],
+     "actor.tp=16 does not divide the model's 8 key-value heads (model.hf_config="
+     "yaml_configs/hf_configs/llama-3.1-8b-instruct.json: num_key_value_heads)"),
+    ("grpo_qwen2.5_7b_2x8", ["actor.tp=4", "actor.pp=4"],
+     "actor.tp*actor.pp=4*4=16 does not divide the 8 GPUs of pool 'actor' (resources.pools.actor=8)"),
+    ("grpo_qwen2.5_7b_2x8", ["actor.optim.use_distributed_optimizer=false"],
+     "pool 'actor' needs 97.8 GB per GPU (actor 85.9 + reference 11.8), more than 90% of "
+     "resources.gpu_memory_gb=80"),
+    ("grpo_qwen2.5_32b_8x8", ["rollout.tp=1", "rollout.engines=32"],
+     "rollout.tp=1: the model's weights (65.5 GB per GPU) and vLLM's reserve"),
+    ("grpo_qwen2.5_32b_8x8", ["resources.nodes=4"],
+     "resources.pools need 64 GPUs but resources.nodes*resources.gpus_per_node=4*8=32"),
+])
+def test_plan_refuses_with_one_sentence_naming_the_key(spec, overrides, message, capsys):
+    assert rlx(["plan", SPECS[spec], *overrides]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_hf_config_inline_or_as_a_path(tmp_path, capsys):
+    """model.hf_config stands in for a model folder that is not here; inline or as a path, the same plan."""
+    with open("yaml_configs/hf_configs/qwen2.5-7b-instruct.json") as f:
+        hf = json.load(f)
+    import yaml
+
+    with open(SPECS["grpo_qwen2.5_7b_2x8"]) as f:
+        spec = yaml.safe_load(f)
+    spec["model"]["hf_config"] = hf
+    inline = tmp_path / "inline.yaml"
+    inline.write_text(yaml.safe_dump(spec))
+    assert rlx(["plan", str(inline)]) == 0
+    inline_out = capsys.readouterr().out
+    assert "(model.hf_config (inline))" in inline_out
+    assert rlx(["plan", SPECS["grpo_qwen2.5_7b_2x8"]]) == 0
+    path_out = capsys.readouterr().out
+    table = lambda out: out[out.index("role "):]  # noqa: E731
+    assert table(inline_out) == table(path_out)
+    # Without model.hf_config, a model folder that is not here is still an error.
+    assert rlx(["validate", SPECS["grpo_qwen2.5_7b_2x8"], "model.hf_config=null"]) == 2
+    assert "model.path=/shared/models/Qwen2.5-7B-Instruct is not a folder" in capsys.readouterr().err
+    # `rlx train` always needs the files.
+    assert rlx(["train", SPECS["grpo_qwen2.5_7b_2x8"]]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+
+
+def test_suggest_ranks_valid_layouts_and_explains_its_cost_model(capsys):
+    cfg = load_job(SPECS["grpo_qwen2.5_7b_2x8"], [])
+    found = plan.suggest(cfg, validate(cfg), gpus_per_node=8, nodes=2, top=100)
+    assert found.valid == len(found.best) > 1
+    steps = [c.step_s for c in found.best]
+    assert steps == sorted(steps)
+    for c in found.best:
+        assert c.actor.tp * c.actor.pp * c.actor.dp == c.actor.gpus
+        assert c.actor.tp in (1, 2, 4)  # 4 KV heads: TP 8 never appears
+        assert c.rollout_engines * c.rollout_tp + c.actor.gpus == 16
+        plan.check(c.plan, cfg)  # every one fits
+    assert found.spec_rank == 1  # the spec's comment says so
+    assert rlx(["plan", SPECS["grpo_qwen2.5_7b_2x8"], "--suggest", "--gpus-per-node", "8", "--nodes", "2",
+                "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "the 3 best of" in out and "the spec's own layout ranks #1" in out and "cost model" in out
+    # Too little memory for any layout: a sentence, exit 2.
+    assert rlx(["plan", SPECS["grpo_qwen2.5_7b_2x8"], "resources.gpu_memory_gb=16", "--suggest"]) == 2
+    assert "no layout on 2 x 8 GPUs divides and fits" in capsys.readouterr().out
+
+
+def test_suggest_for_the_critic_and_the_32b_specs():
+    for name in ("ppo_llama3.1_8b_4x8", "grpo_qwen2.5_32b_8x8"):
+        cfg = load_job(SPECS[name], [])
+        found = plan.suggest(cfg, validate(cfg), cfg.resources.gpus_per_node, cfg.resources.nodes, top=5)
+        assert found.spec_rank == 1, name
+        if name.startswith("ppo"):
+            assert all(c.critic is not None for c in found.best)

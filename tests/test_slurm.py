@@ -1,0 +1,124 @@
+"""`rlx submit` on a real Slurm: Debian's slurmctld, slurmd and munge as a one-node cluster, the CPU
+quickstart trained through the sbatch script's Ray bring-up, and its teardown.
+
+The cluster comes from `launch/install_slurm.sh` (apt-get when Slurm is missing: root and network, as in
+CI) and lives in a temporary folder; its daemons are stopped by pid file after the module. Other Ray
+clusters on this machine are never touched: "no Ray process left" is checked for this job's own Ray
+temp dir only.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from launch.assets import make_addition_data, make_tiny_model
+from launch.slurm import processes_naming
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+INSTALL = os.path.join(REPO, "launch", "install_slurm.sh")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("assets")
+    return make_tiny_model(str(root / "model")), make_addition_data(str(root / "data"))
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """A running one-node Slurm cluster; yields the environment its clients need."""
+    have_slurm = all(shutil.which(c) for c in ("sbatch", "slurmctld", "slurmd", "munged"))
+    if not have_slurm and (os.geteuid() != 0 or shutil.which("apt-get") is None):
+        pytest.skip("Slurm is not installed, and installing it from Debian's packages needs root and apt-get")
+    folder = tmp_path_factory.mktemp("slurm")
+    env = {**os.environ, "SLURM_CONF": str(folder / "slurm.conf"),
+           "RLX_SLURMCTLD_PORT": str(_free_port()), "RLX_SLURMD_PORT": str(_free_port())}
+    try:
+        subprocess.run(["bash", INSTALL, "start", str(folder)], env=env, check=True, timeout=900)
+        yield env
+    finally:
+        subprocess.run(["bash", INSTALL, "stop", str(folder)], env=env, timeout=120)
+
+
+def _submit(env, assets, tmp_path, *extra):
+    model, data = assets
+    cmd = [sys.executable, "-m", "launch.cli", "submit", "yaml_configs/quickstart_cpu.yaml", "--nodes", "1", "--wait",
+           "--port", str(_free_port()), "--log-dir", str(tmp_path / "slurm"), *extra,
+           f"model.path={model}", f"data.train_files=[{data}]", "data.val_files=[]", "trainer.val_every=0",
+           f"trainer.run_dir={tmp_path / 'run'}"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    job = re.search(r"submitted Slurm job (\d+)", proc.stdout)
+    assert job, proc.stdout + proc.stderr
+    log = (tmp_path / "slurm" / f"rlx-quickstart_cpu-{job.group(1)}.out").read_text()
+    return proc, job.group(1), log
+
+
+@pytest.mark.slurm
+@pytest.mark.e2e
+def test_submit_trains_the_quickstart_on_slurm_and_tears_ray_down(slurm, assets, tmp_path):
+    proc, job, log = _submit(slurm, assets, tmp_path, "trainer.total_steps=4")
+    assert proc.returncode == 0, log[-3000:]
+    assert f"Slurm job {job} ended with exit status 0" in proc.stdout
+    rewards = [json.loads(line)["reward/mean"] for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert len(rewards) == 4 and rewards[-1] > rewards[0], rewards
+    # Bring-up: the head on the allocated node, its logical GPUs (the pools' 3) registered.
+    assert f"job {job}: 1 node(s)" in log
+    assert "Ray cluster up: 1 node(s), 3 GPUs" in log
+    assert "rlx train exited with status 0" in log
+    # Teardown: Ray stopped by its own `ray start`, nothing of this job's Ray left on the node.
+    assert "teardown: stopping the Ray cluster (1 srun steps)" in log
+    assert f"teardown: no Ray processes of /tmp/rlx-ray-{job} left" in log
+    assert "[rlx] Ray on" in (tmp_path / "slurm" / job / f"ray-head-{socket.gethostname()}.log").read_text()
+    assert processes_naming(f"/tmp/rlx-ray-{job}") == []
+    assert (tmp_path / "slurm" / job / f"ray-logs-{socket.gethostname()}" / "raylet.out").exists()
+
+
+@pytest.mark.slurm
+@pytest.mark.e2e
+def test_a_cluster_that_does_not_come_up_in_time_fails_with_a_sentence(slurm, assets, tmp_path):
+    # 1 s cannot bring up a Ray head: the job must end with the bring-up status and say why.
+    proc, job, log = _submit(slurm, assets, tmp_path, "--bringup-timeout", "1", "trainer.total_steps=1")
+    assert proc.returncode == 3
+    assert re.search(r"rlx: (the Ray head at \S+ did not open its port|could not connect to the Ray head at \S+"
+                     r"|the Ray cluster at \S+ did not come up) within 1 s", log), log[-2000:]
+    assert "] rlx train " not in log  # training never started
+    assert f"teardown: no Ray processes of /tmp/rlx-ray-{job} left" in log
+    assert processes_naming(f"/tmp/rlx-ray-{job}") == []
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_submit_renders_a_script_the_operator_never_edits(assets, tmp_path, capsys):
+    """--dry-run: the #SBATCH lines, the settings and the job's arguments; valid bash; nothing submitted."""
+    from launch.cli import main as rlx
+
+    model, data = assets
+    assert rlx(["submit", "yaml_configs/quickstart_cpu.yaml", "--nodes", "2", "--partition", "debug",
+                "--time", "01:00:00", "--log-dir", str(tmp_path), "--dry-run", f"model.path={model}",
+                f"data.train_files=[{data}]", "trainer.total_steps=5"]) == 0
+    script = capsys.readouterr().out
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --exclusive", "#SBATCH --partition=debug",
+                 "#SBATCH --time=01:00:00", f"#SBATCH --output={tmp_path}/rlx-quickstart_cpu-%j.out",
+                 "export RLX_GPUS_PER_NODE=2",  # the cpu profile's 3 logical GPUs over 2 nodes
+                 "export RLX_BRINGUP_TIMEOUT_S=300", f"export RLX_ROOT={REPO}"):
+        assert line in script, line
+    assert "--gpus-per-node" not in script.split("export")[0]  # no GPUs to ask Slurm for on the cpu profile
+    assert "trainer.total_steps=5" in script and os.path.abspath("yaml_configs/quickstart_cpu.yaml") in script
+    path = tmp_path / "rlx-quickstart_cpu.sbatch"
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+    # More GPUs than the nodes hold: one sentence.
+    assert rlx(["submit", "yaml_configs/quickstart_cpu.yaml", "--nodes", "1", "--gpus-per-node", "2", "--dry-run",
+                f"model.path={model}", f"data.train_files=[{data}]"]) == 2
+    assert "resources.pools need 3 GPUs but --nodes 1 x --gpus-per-node 2 = 2" in capsys.readouterr().err
