@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "validate":
         return 0
 
-    from rlcore.trainer import run
+    from rlcore.trainer import SamplingError, run
 
     os.makedirs(cfg.trainer.run_dir, exist_ok=True)
     # The resolved spec next to the metrics: what actually ran, overrides included.
@@ -140,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         f.write(_to_yaml(cfg))
     try:
         history = run(cfg, layout)
-    except (DataError, RewardError, CheckpointError) as e:
-        # The user's data, reward function or checkpoint, not a bug here: one line, no traceback. Every step
+    except (DataError, RewardError, CheckpointError, SamplingError) as e:
+        # The user's data, reward function or checkpoint (or a batch dynamic sampling could not
+        # fill), not a bug here: one line, no traceback. Every step
         # finished before it is already in metrics.jsonl.
         print(f"rlx train: {e}", file=sys.stderr)
         return 1

@@ -25,6 +25,10 @@ from rlcore.reward import RewardError, compute_rewards, load_reward_fn
 from rlcore.weight_sync import connect_weight_sync, sync_weights
 
 
+class SamplingError(RuntimeError):
+    """Dynamic sampling could not fill a batch: a property of the data and the policy, not a bug."""
+
+
 class Trainer:
     def __init__(self, cfg: JobConfig, layout: JobLayout):
         from transformers import AutoTokenizer
@@ -96,8 +100,7 @@ class Trainer:
         cfg, m = self.cfg, {}
         temperature = cfg.rollout.temperature
         t0 = time.perf_counter()
-        with timer("rollout", m):
-            prompts, trajs, scores = self.sample(step, m)
+        prompts, trajs, scores = self.sample(step, m)  # timed inside: rollout and reward
         batch = build_batch(trajs, self.pad_id)
         with timer("logprob", m):
             batch["old_logprobs"] = (batch["rollout_logprobs"] if cfg.actor.use_rollout_logprobs
@@ -134,10 +137,11 @@ class Trainer:
         scores: list[torch.Tensor] = []
         for draw in range(1, (ds.max_gen_batches if ds.enable else 1) + 1):
             drawn: list[PromptItem] = next(self.loader)
-            new = self.rollout.generate([p.prompt_ids for p in drawn], n=cfg.rollout.n,
-                                        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                        top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.max_response_length,
-                                        seed=cfg.trainer.seed * 100_003 + step + 1_000_000 * (draw - 1))
+            with timer("rollout", m):
+                new = self.rollout.generate([p.prompt_ids for p in drawn], n=cfg.rollout.n,
+                                            temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                            top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.max_response_length,
+                                            seed=cfg.trainer.seed * 100_003 + step + 1_000_000 * (draw - 1))
             with timer("reward", m):
                 new_scores, reward_metrics = self.score(drawn, new, step)
             if draw == 1:  # what the policy scores on a plain batch, before any filtering
@@ -155,7 +159,7 @@ class Trainer:
             if len(prompts) >= cfg.data.batch_size:
                 n_keep = cfg.data.batch_size * cfg.rollout.n  # trajectories are grouped by prompt, in order
                 return prompts[:cfg.data.batch_size], trajs[:n_keep], torch.cat(scores)[:n_keep]
-        raise RuntimeError(
+        raise SamplingError(
             f"step {step}: dynamic sampling kept {len(prompts)} of the data.batch_size={cfg.data.batch_size} "
             f"prompts after algorithm.dynamic_sampling.max_gen_batches={ds.max_gen_batches} generation rounds "
             f"(the others' {cfg.rollout.n} samples all scored the same); raise max_gen_batches or rollout.n")

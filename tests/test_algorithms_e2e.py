@@ -57,6 +57,24 @@ def test_dapo_spec_fills_the_batch_with_groups_that_carry_signal(tmp_path, tiny_
         assert "actor/kl_ref" not in x  # kl_coeff 0: no reference model at all
 
 
+def test_dynamic_sampling_that_cannot_fill_a_batch_stops_with_one_line(tmp_path, tiny_assets):
+    """A verifier that gives every sample the same score leaves no group with signal: after
+    max_gen_batches rounds `rlx train` exits 1 naming the step, the key and what to change."""
+    model, data = tiny_assets
+    reward_file = tmp_path / "constant_reward.py"
+    reward_file.write_text("def score(data_source, solution_str, ground_truth, extra_info):\n    return 1.0\n")
+    cmd = [sys.executable, "-m", "launch.cli", "train", "yaml_configs/dapo_quickstart_cpu.yaml",
+           f"model.path={model}", f"data.train_files=[{data}]", "data.val_files=[]", "trainer.val_every=0",
+           f"reward.function={reward_file}:score", f"trainer.run_dir={tmp_path / 'run'}",
+           "trainer.total_steps=1", "algorithm.dynamic_sampling.max_gen_batches=2",
+           "algorithm.overlong_buffer.enable=false"]  # its length penalty would make the scores differ
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("rlx train: step 1: dynamic sampling kept 0 of the data.batch_size=8 prompts"), last
+    assert "algorithm.dynamic_sampling.max_gen_batches=2" in last
+
+
 def test_every_estimator_loss_and_agg_mode_runs_a_step(tiny_assets):
     """One real step per option, all on one Ray cluster: estimators (remax generates its greedy
     baseline), policy losses, aggregation modes, rollout corrections, the in-reward KL, the rollout's
