@@ -53,10 +53,10 @@ def slurm(tmp_path_factory):
         subprocess.run(["bash", INSTALL, "stop", str(folder)], env=env, timeout=120)
 
 
-def _submit(env, assets, tmp_path, *extra):
+def _submit(env, assets, tmp_path, *extra, port=None):
     model, data = assets
     cmd = [sys.executable, "-m", "launch.cli", "submit", "yaml_configs/quickstart_cpu.yaml", "--nodes", "1", "--wait",
-           "--port", str(_free_port()), "--log-dir", str(tmp_path / "slurm"), *extra,
+           "--port", str(port or _free_port()), "--log-dir", str(tmp_path / "slurm"), *extra,
            f"model.path={model}", f"data.train_files=[{data}]", "data.val_files=[]", "trainer.val_every=0",
            f"trainer.run_dir={tmp_path / 'run'}"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
@@ -89,8 +89,12 @@ def test_submit_trains_the_quickstart_on_slurm_and_tears_ray_down(slurm, assets,
 @pytest.mark.slurm
 @pytest.mark.e2e
 def test_a_cluster_that_does_not_come_up_in_time_fails_with_a_sentence(slurm, assets, tmp_path):
-    # 1 s cannot bring up a Ray head: the job must end with the bring-up status and say why.
-    proc, job, log = _submit(slurm, assets, tmp_path, "--bringup-timeout", "1", "trainer.total_steps=1")
+    # The head's port is taken (bound, never listening), so the Ray head cannot come up however fast
+    # the machine is: within the 1 s bring-up timeout the job must end with the bring-up status and say why.
+    with socket.socket() as squatter:
+        squatter.bind(("", _free_port()))
+        proc, job, log = _submit(slurm, assets, tmp_path, "--bringup-timeout", "1", "trainer.total_steps=1",
+                                 port=squatter.getsockname()[1])
     assert proc.returncode == 3
     assert re.search(r"rlx: (the Ray head at \S+ did not open its port|could not connect to the Ray head at \S+"
                      r"|the Ray cluster at \S+ did not come up) within 1 s", log), log[-2000:]
@@ -107,7 +111,7 @@ def test_submit_renders_a_script_the_operator_never_edits(assets, tmp_path, caps
     model, data = assets
     assert rlx(["submit", "yaml_configs/quickstart_cpu.yaml", "--nodes", "2", "--partition", "debug",
                 "--time", "01:00:00", "--log-dir", str(tmp_path), "--dry-run", f"model.path={model}",
-                f"data.train_files=[{data}]", "trainer.total_steps=5"]) == 0
+                f"data.train_files=[{data}]", "data.val_files=[]", "trainer.total_steps=5"]) == 0
     script = capsys.readouterr().out
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --exclusive", "#SBATCH --partition=debug",
                  "#SBATCH --time=01:00:00", f"#SBATCH --output={tmp_path}/rlx-quickstart_cpu-%j.out",
@@ -120,5 +124,5 @@ def test_submit_renders_a_script_the_operator_never_edits(assets, tmp_path, caps
     assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
     # More GPUs than the nodes hold: one sentence.
     assert rlx(["submit", "yaml_configs/quickstart_cpu.yaml", "--nodes", "1", "--gpus-per-node", "2", "--dry-run",
-                f"model.path={model}", f"data.train_files=[{data}]"]) == 2
+                f"model.path={model}", f"data.train_files=[{data}]", "data.val_files=[]"]) == 2
     assert "resources.pools need 3 GPUs but --nodes 1 x --gpus-per-node 2 = 2" in capsys.readouterr().err
