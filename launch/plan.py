@@ -187,8 +187,14 @@ def _train_role(m: ModelDims, role: str, lay: RoleLayout, dtype: str, device: st
         last = stage == lay.pp - 1
         if trainable:
             # 1F1B: stage s holds the activations of up to pp - s micro-batches before its first backward.
-            in_flight = min(lay.pp - stage, microbatches)
-            acts = in_flight * (m.layers // lay.pp) * per_layer + (logits if last else 0.0)
+            in_flight = min(lay.pp - stage, microbatches) * (m.layers // lay.pp)  # micro-batch x layers
+            if lay.vpp > 1:
+                # Interleaved 1F1B (megatron's get_pp_rank_microbatches): 2(pp - s - 1) + (vpp - 1) pp
+                # warm-up forwards of one chunk (layers / (pp vpp) layers) each, plus the one in flight;
+                # on stage 0 that is layers * (1 + (pp - 1) / (pp vpp)), the Megatron paper's figure.
+                chunks = min(2 * (lay.pp - stage - 1) + (lay.vpp - 1) * lay.pp + 1, microbatches * lay.vpp)
+                in_flight = chunks * (m.layers // (lay.pp * lay.vpp))
+            acts = in_flight * per_layer + (logits if last else 0.0)
             master = 4 if dtype == "bfloat16" else 0  # fp32 copy of bf16 weights
             optim = params * (8 + master) / (lay.dp if distributed_optimizer else 1)
             grads = params * 4.0
@@ -200,7 +206,8 @@ def _train_role(m: ModelDims, role: str, lay: RoleLayout, dtype: str, device: st
         if worst is None or est.total > worst.total:
             worst = est
     if lay.pp > 1:
-        worst.notes.append(f"worst pipeline stage of {lay.pp}")
+        worst.notes.append(f"worst pipeline stage of {lay.pp}"
+                           + (f", {lay.vpp} virtual stages each" if lay.vpp > 1 else ""))
     return worst
 
 
@@ -379,7 +386,7 @@ def _train_seconds(m: ModelDims, lay: RoleLayout, tokens: float, forward_passes:
     NVLink and the DP gradient all-reduce (over the network once the DP group spans nodes)."""
     params = m.total_params()
     flops = (6 if with_update else 0) * params * tokens + 2 * forward_passes * params * tokens
-    bubble = (lay.pp - 1) / (microbatches + lay.pp - 1)
+    bubble = (lay.pp - 1) / (lay.vpp * microbatches + lay.pp - 1)  # interleaving shrinks it vpp-fold
     # A pipeline runs at its slowest stage's pace: the last one also computes the output layer.
     layer = m.layer_params(1)
     output = m.vocab * m.hidden

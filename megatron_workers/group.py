@@ -1,4 +1,5 @@
-"""The driver's handle on one Megatron role: TP x PP x DP ranks, each a ``MegatronWorker`` in a Ray actor.
+"""The driver's handle on one Megatron role: TP x PP x DP ranks, each a ``MegatronWorker`` in a Ray actor
+(each PP rank holding ``vpp`` model chunks with virtual pipeline stages).
 
 Rank order is megatron's default (tp-cp-ep-dp-pp: TP fastest, then DP, then PP); the group does not
 rely on it, it asks each rank for its coordinates after ``init``.
@@ -16,20 +17,24 @@ from .worker import MegatronWorker
 
 class MegatronGroup:
     def __init__(self, role: str, model_path: str, tp: int, pp: int, dp: int, placement: RolePlacement,
-                 micro_batch_size: int, profile: str, dtype: str, optim: OptimConfig | None, seed: int):
+                 micro_batch_size: int, profile: str, dtype: str, optim: OptimConfig | None, seed: int,
+                 vpp: int = 1):
         import ray
 
         if min(tp, pp, dp) < 1:
             raise ValueError(f"{role}: TP, PP and DP must be >= 1, got TP={tp} PP={pp} DP={dp}")
+        if vpp < 1 or (vpp > 1 and pp == 1):
+            raise ValueError(f"{role}: vpp={vpp} must be >= 1, and vpp > 1 needs pp > 1 (got pp={pp})")
         world = tp * pp * dp
         if len(placement.bundle_indices) < world:
             raise ValueError(f"{role}: TP x PP x DP = {world} ranks, but pool {placement.pool!r} has "
                              f"{len(placement.bundle_indices)} GPUs")
-        self.role, self.tp, self.pp, self.dp = role, tp, pp, dp
+        self.role, self.tp, self.pp, self.dp, self.vpp = role, tp, pp, dp, vpp
+        self.profile = profile
         worker_cls = ray.remote(MegatronWorker)
         self.workers = [
             worker_cls.options(**placement.actor_options(i)).remote(
-                role, model_path, tp, pp, dp, i, micro_batch_size, profile, dtype, optim, seed)
+                role, model_path, tp, pp, dp, i, micro_batch_size, profile, dtype, optim, seed, vpp)
             for i in range(world)
         ]
         try:
@@ -47,6 +52,7 @@ class MegatronGroup:
                               if c["pp_rank"] == s and c["dp_rank"] == 0 and c["tp_rank"] == 0)
                          for s in range(pp)]
         self._dp_rank = [c["dp_rank"] for c in coords]
+        self._coords = coords
         self._weight_sync_ready = False
 
     # ------------------------------------------------------------------------------------- compute
@@ -135,26 +141,33 @@ class MegatronGroup:
 
     # ------------------------------------------------------------------------------- weight sync
     def weight_sync_plans(self, bucket_bytes: int, wire_dtype: str) -> list[list]:
-        """One bucket plan (list of rlcore.weight_sync.Bucket) per PP stage, in stage order; each
-        stage's sender keeps its plan for ``send_weights``."""
+        """One bucket plan (list of rlcore.weight_sync.Bucket) per PP stage, in stage order; every rank
+        of DP replica 0 keeps its stage's plan for ``send_weights``."""
         import ray
 
-        plans = ray.get([self.workers[s].weight_sync_plan.remote(bucket_bytes, wire_dtype) for s in self._senders])
+        plans = ray.get([w.weight_sync_plan.remote(bucket_bytes, wire_dtype) for w in self.workers])
         self._weight_sync_ready = False  # a new plan needs receivers that know it: init again
-        return plans
+        return [plans[s] for s in self._senders]
 
-    def weight_sync_endpoints(self) -> list[tuple[str, int]]:
-        """(IP, port) of each stage sender's weight-sync store, in stage order."""
+    def node_ips(self) -> list[str]:
+        """The node IP of every rank (the weight-sync transport depends on where they are)."""
         import ray
 
-        return ray.get([self.workers[s].weight_sync_endpoint.remote() for s in self._senders])
+        return [ip for ip, _ in ray.get([w.node_ip_and_free_port.remote() for w in self.workers])]
 
-    def init_weight_sync(self, world_sizes: list[int]) -> list:
-        """Starts each stage's weight-sync group (the sender is rank 0 of ``world_sizes[s]``). The calls
-        block until the receivers join as ranks 1..: ray.get the returned refs together with them."""
-        if len(world_sizes) != self.pp:
-            raise ValueError(f"{self.role}: {len(world_sizes)} world sizes for {self.pp} PP stages")
-        refs = [self.workers[s].init_weight_sync.remote(n) for s, n in zip(self._senders, world_sizes)]
+    def weight_sync_links(self, transport: str, receivers: int) -> list:
+        """Each stage sender's rlcore.weight_sync.StageLink for ``transport`` (``shm``: it creates the
+        stage's shared bucket slots now), in stage order; ``receivers`` ranks will join each group."""
+        import ray
+
+        return ray.get([self.workers[s].weight_sync_link.remote(transport, receivers) for s in self._senders])
+
+    def init_weight_sync(self, links: list) -> list:
+        """Every rank joins its stage's group (those that are not writers return at once). The calls
+        block until the receivers join too: ray.get the returned refs together with theirs."""
+        if len(links) != self.pp:
+            raise ValueError(f"{self.role}: {len(links)} weight-sync links for {self.pp} PP stages")
+        refs = [w.init_weight_sync.remote(links[c["pp_rank"]]) for w, c in zip(self.workers, self._coords)]
         self._weight_sync_ready = True
         return refs
 
@@ -166,7 +179,7 @@ class MegatronGroup:
         # in their all-gathers.
         if not self._weight_sync_ready:
             raise RuntimeError(f"{self.role}: weight sync is not set up; call weight_sync_plans(), "
-                               f"weight_sync_endpoints() and init_weight_sync() first")
+                               f"weight_sync_links() and init_weight_sync() first")
         return [w.send_weights.remote(with_checksums) for w in self.workers]
 
     def peak_memory_mb(self) -> list[float]:

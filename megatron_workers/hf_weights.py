@@ -11,6 +11,10 @@ Megatron layouts that differ from HF:
 - ``linear_proj``/``linear_fc2`` are row-parallel (split on dim 1); the vocabulary (embedding and
   output layer) and the other linears are split on dim 0.
 - Layer indices are local to a PP stage; ``layer.layer_number - 1`` is the global (HF) index.
+- With virtual pipeline stages a PP rank holds several model chunks (a list of GPTModels, in
+  ascending layer order): export walks them in that order, so a stage still yields its tensors in
+  global layer order (the embedding is on the first chunk of PP rank 0, the final norm and output
+  layer on the last chunk of the last PP rank).
 - With tied embeddings and PP > 1 the last stage holds its own copy of the embedding as
   ``output_layer.weight``: it is loaded from ``model.embed_tokens.weight`` and not exported (the
   first stage exports the embedding; HF has no ``lm_head.weight`` for a tied model).
@@ -22,7 +26,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -93,6 +97,11 @@ def param_mappings(model, hf: HFModelSpec) -> list[ParamMapping]:
         else:
             raise ValueError(f"no HF mapping for Megatron parameter {name!r}")
     return out
+
+
+def model_chunks(model) -> list:
+    """The model chunks of this PP rank: ``model`` itself, or the list of its virtual-stage chunks."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
 
 
 def _tp_group():
@@ -211,17 +220,19 @@ def _full_shapes(m: ParamMapping, hf: HFModelSpec, local_shape, tp_size: int) ->
 
 
 def export_specs(model, hf: HFModelSpec, wire_dtype: str) -> list[TensorSpec]:
-    """The HF tensors this PP stage exports, in the order ``iter_hf_tensors`` yields them."""
+    """The HF tensors this PP stage (a model or its list of chunks) exports, in the order
+    ``iter_hf_tensors`` yields them."""
     if wire_dtype not in DTYPES:
         raise ValueError(f"wire dtype {wire_dtype!r}: expected one of {sorted(DTYPES)}")
     _, tp_size = _tp_rank_size()
-    params = dict(model.named_parameters())
     specs = []
-    for m in param_mappings(model, hf):
-        if not m.exported:
-            continue
-        shapes = _full_shapes(m, hf, tuple(params[m.megatron_name].shape), tp_size)
-        specs.extend(TensorSpec(n, s, wire_dtype) for n, s in zip(m.hf_names, shapes))
+    for chunk in model_chunks(model):
+        params = dict(chunk.named_parameters())
+        for m in param_mappings(chunk, hf):
+            if not m.exported:
+                continue
+            shapes = _full_shapes(m, hf, tuple(params[m.megatron_name].shape), tp_size)
+            specs.extend(TensorSpec(n, s, wire_dtype) for n, s in zip(m.hf_names, shapes))
     return specs
 
 
@@ -233,10 +244,16 @@ def _all_gather_tp(tensor: torch.Tensor, tp_size: int) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def iter_hf_tensors(model, hf: HFModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (HF name, full tensor) for everything this PP stage exports, TP shards all-gathered.
+    """Yields (HF name, full tensor) for everything this PP stage (a model or its list of chunks)
+    exports, TP shards all-gathered, chunk after chunk (global layer order).
 
     Every rank of the TP group must run it to the end together (each tensor is a TP collective);
     only one DP replica needs to (the caller decides: DP rank 0). Tensors keep the model's dtype."""
+    for chunk in model_chunks(model):
+        yield from _iter_chunk_hf_tensors(chunk, hf)
+
+
+def _iter_chunk_hf_tensors(model, hf: HFModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
     _, tp_size = _tp_rank_size()
     params = dict(model.named_parameters())
     for m in param_mappings(model, hf):
@@ -261,3 +278,67 @@ def iter_hf_tensors(model, hf: HFModelSpec) -> Iterator[tuple[str, torch.Tensor]
             yield m.hf_names[1], torch.cat([h[1] for h in halves], dim=0)
         else:
             raise AssertionError(m.kind)
+
+
+def iter_shard_writes(model, hf: HFModelSpec) -> Iterator[tuple[str, Callable]]:
+    """(HF name, ``write``) for everything this PP stage exports, in ``export_specs`` order:
+    ``write(dest, rows)`` copies this TP rank's part of that full HF tensor into ``dest`` (a view in
+    a shared weight-sync slot; the copy casts to its dtype): the whole tensor when ``rows`` is None,
+    else the rows ``[start, stop)`` of it (a tensor larger than a bucket travels in pieces). When every
+    TP rank of the stage has written, ``dest`` holds what ``iter_hf_tensors`` would have gathered,
+    without any collective: the inverse of ``_hf_to_shard``. Replicated tensors are written by TP
+    rank 0 only."""
+    from functools import partial
+
+    tp_rank, tp_size = _tp_rank_size()
+    for chunk in model_chunks(model):
+        params = dict(chunk.named_parameters())
+        for m in param_mappings(chunk, hf):
+            if not m.exported:
+                continue
+            local = params[m.megatron_name].detach()
+            for i, name in enumerate(m.hf_names):
+                yield name, partial(_write_shard, _shard_blocks(m.kind, i, local, hf, tp_rank, tp_size))
+
+
+def _shard_blocks(kind: str, part: int, local: torch.Tensor, hf: HFModelSpec, tp_rank: int,
+                  tp_size: int) -> list[tuple[int, torch.Tensor, slice]]:
+    """Where TP rank ``tp_rank``'s shard lands in HF tensor number ``part`` of a mapping: a list of
+    (first row in the full tensor, source rows, column slice of the full tensor)."""
+    whole = slice(None)
+    if kind == REPLICATED or (tp_size == 1 and kind in (COLUMN, ROW)):
+        return [(0, local, whole)] if tp_rank == 0 else []
+    if kind == COLUMN:
+        return [(tp_rank * local.shape[0], local, whole)]
+    if kind == ROW:
+        n = local.shape[1]
+        return [(0, local, slice(tp_rank * n, (tp_rank + 1) * n))]
+    if kind == QKV:
+        # local rows: [q heads, k, v] per KV group, for this rank's groups; HF's q/k/v rows are
+        # ordered by group too, so group g of this rank is one block of rows in each.
+        groups, hd, hpg = hf.num_kv_heads // tp_size, hf.head_dim, hf.heads_per_kv_group
+        sizes = (hpg * hd, hd, hd)
+        start = sum(sizes[:part])
+        per_group = local.view(groups, (hpg + 2) * hd, *local.shape[1:])
+        return [((tp_rank * groups + g) * sizes[part], per_group[g, start:start + sizes[part]], whole)
+                for g in range(groups)]
+    if kind == GATE_UP:
+        n = local.shape[0] // 2  # local is [gate_r; up_r]
+        return [(tp_rank * n, local[part * n:(part + 1) * n], whole)]
+    raise AssertionError(kind)
+
+
+@torch.no_grad()
+def _write_shard(blocks: list[tuple[int, torch.Tensor, slice]], dest: torch.Tensor,
+                 rows: tuple[int, int] | None = None) -> None:
+    """Copies the part of ``blocks`` that falls in rows ``rows`` (all rows if None) of the full
+    tensor into ``dest`` (those rows)."""
+    lo, hi = rows if rows is not None else (0, dest.shape[0])
+    for first, src, cols in blocks:
+        a, b = max(lo, first), min(hi, first + src.shape[0])
+        if a >= b:
+            continue
+        target = dest[a - lo:b - lo]
+        if cols != slice(None):
+            target = target[:, cols]
+        target.copy_(src[a - first:b - first])

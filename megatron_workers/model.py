@@ -110,7 +110,7 @@ def read_hf_config(model_path: str) -> HFModelSpec:
     )
 
 
-def check_layout(hf: HFModelSpec, tp: int, pp: int) -> None:
+def check_layout(hf: HFModelSpec, tp: int, pp: int, vpp: int = 1) -> None:
     """The divisibility the Megatron model needs, each failure explained in one sentence."""
     if hf.num_attention_heads % tp:
         raise ValueError(f"TP={tp} does not divide the {hf.num_attention_heads} attention heads")
@@ -123,10 +123,15 @@ def check_layout(hf: HFModelSpec, tp: int, pp: int) -> None:
         raise ValueError(f"TP={tp} does not divide the vocabulary of {hf.vocab_size} tokens")
     if hf.num_layers % pp:
         raise ValueError(f"PP={pp} does not divide the {hf.num_layers} layers")
+    if vpp < 1 or (vpp > 1 and pp == 1):
+        raise ValueError(f"VPP={vpp}: virtual pipeline stages need VPP >= 1, and VPP > 1 needs PP > 1")
+    if hf.num_layers % (pp * vpp):
+        raise ValueError(f"PP*VPP={pp}*{vpp} does not divide the {hf.num_layers} layers")
 
 
-def transformer_config(hf: HFModelSpec, profile: str, dtype: str, tp: int, pp: int):
-    """The TransformerConfig of ``hf`` under TP=``tp``, PP=``pp`` on the given device profile."""
+def transformer_config(hf: HFModelSpec, profile: str, dtype: str, tp: int, pp: int, vpp: int = 1):
+    """The TransformerConfig of ``hf`` under TP=``tp``, PP=``pp`` (each PP rank holding ``vpp`` model
+    chunks: the interleaved 1F1B schedule when ``vpp`` > 1) on the given device profile."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -136,7 +141,7 @@ def transformer_config(hf: HFModelSpec, profile: str, dtype: str, tp: int, pp: i
         raise ValueError(f"dtype {dtype!r}: expected one of {sorted(MODEL_DTYPES)}")
     if profile == "cpu" and dtype != "float32":
         raise ValueError(f"the cpu profile runs in float32 (got dtype {dtype!r})")
-    check_layout(hf, tp, pp)
+    check_layout(hf, tp, pp, vpp)
     torch_dtype = MODEL_DTYPES[dtype]
     gpu = profile == "gpu"
     return TransformerConfig(
@@ -162,6 +167,14 @@ def transformer_config(hf: HFModelSpec, profile: str, dtype: str, tp: int, pp: i
         perform_initialization=True,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        # None (not 1) without interleaving: megatron picks its schedule and layer offsets from it.
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        # Interleaved: point-to-point ops per direction, as Megatron-LM's defaults for it. Batched ops
+        # would mismatch tensors at PP=2, where the previous and the next stage are the same rank (a
+        # chunk's activations and another's gradients, same shape, cross in one batch); _p2p_ops puts
+        # the two directions on different process groups there.
+        overlap_p2p_comm=vpp > 1,
+        batch_p2p_comm=vpp == 1,
         sequence_parallel=gpu and tp > 1,  # the local spec's torch norm rejects sequence parallel
         params_dtype=torch_dtype,
         pipeline_dtype=torch_dtype,
@@ -187,8 +200,12 @@ def layer_spec(profile: str):
     return get_gpt_layer_local_spec(normalization="RMSNorm")
 
 
-def build_gpt_model(hf: HFModelSpec, config, profile: str, value_head_seed: int | None = None):
-    """This rank's pipeline stage of the GPTModel (parallel_state must be initialised).
+def build_gpt_model(hf: HFModelSpec, config, profile: str, value_head_seed: int | None = None,
+                    vp_stage: int | None = None):
+    """This rank's pipeline stage of the GPTModel (parallel_state must be initialised); with virtual
+    pipeline stages, its model chunk ``vp_stage`` (layers offset by megatron's
+    ``get_transformer_layer_offset``; pre/post-processing only on the first chunk of the first PP
+    rank and the last chunk of the last PP rank).
 
     ``parallel_output=True``: the last stage returns vocab-parallel logits [b, s, vocab / TP], which
     ``logprobs.vocab_parallel_logprobs`` consumes without gathering the vocabulary.
@@ -198,13 +215,15 @@ def build_gpt_model(hf: HFModelSpec, config, profile: str, value_head_seed: int 
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(profile),
         vocab_size=hf.vocab_size,
         max_sequence_length=hf.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=first,
+        post_process=last,
         parallel_output=True,
         share_embeddings_and_output_weights=hf.tie_word_embeddings and value_head_seed is None,
         position_embedding_type="rope",
@@ -212,8 +231,9 @@ def build_gpt_model(hf: HFModelSpec, config, profile: str, value_head_seed: int 
         rotary_base=hf.rope_theta,
         rope_scaling=hf.rope_scaling_factor is not None,
         rope_scaling_factor=hf.rope_scaling_factor or 8.0,
+        vp_stage=vp_stage,
     )
-    if value_head_seed is not None and parallel_state.is_pipeline_last_stage():
+    if value_head_seed is not None and last:
         from .value_head import ValueHead
 
         # GPTModel has no switch for its output layer; the vocabulary projection it built is dropped

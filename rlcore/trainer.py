@@ -56,7 +56,7 @@ class Trainer:
 
         def megatron_group(role, lay, micro_batch_size, optim, model_path=cfg.model.path):
             return MegatronGroup(role, model_path, lay.tp, lay.pp, lay.dp, self.pools.placement(role),
-                                 micro_batch_size, layout.device, dtype, optim, cfg.trainer.seed)
+                                 micro_batch_size, layout.device, dtype, optim, cfg.trainer.seed, vpp=lay.vpp)
 
         a = cfg.actor
         self.actor = megatron_group("actor", layout.actor, a.micro_batch_size, a.optim)
@@ -73,7 +73,8 @@ class Trainer:
                                    layout.device, dtype, cfg.trainer.seed)
         self.loss_cfg = LossConfig.from_config(a)
         self.version = 0  # the engines start from the same HF checkpoint as the actor
-        connect_weight_sync(self.actor, self.rollout, cfg.rollout.engines, cfg.rollout.bucket_mb * 1024 ** 2, dtype)
+        connect_weight_sync(self.actor, self.rollout, cfg.rollout.engines, cfg.rollout.bucket_mb * 1024 ** 2, dtype,
+                            cfg.rollout.weight_transport)
 
     # ------------------------------------------------------------------------------ the iteration
     def fit(self) -> list[dict]:

@@ -1,26 +1,35 @@
 """The weight-sync wire format: the only contract between the trainer's workers and the rollout
 engines (``megatron_workers`` and ``rollout`` never import each other; both import this).
 
-A sender (one per actor PP stage) owns an ordered list of HF-named full tensors. ``plan_buckets``
-cuts that list into buckets of at most ``bucket_bytes``; the plan (names, shapes, dtypes, bucket
-boundaries) is computed once and handed to the receivers, so each sync moves only flat buffers: the
-sender packs a bucket into one contiguous buffer and broadcasts it over a ``WeightSyncGroup``; every
-receiver unpacks views of the same buffer by the plan. The group is a stand-alone torch.distributed
-process group (gloo on CPU, NCCL on GPU), independent of Megatron's default group.
+A PP stage owns an ordered list of HF-named full tensors. ``plan_buckets`` cuts that list into buckets
+of at most ``bucket_bytes``; the plan (names, shapes, dtypes, bucket boundaries) is computed once and
+handed to the receivers, so each sync moves only flat buffers that both sides view by the plan. Every
+stage has its own weight-sync group (``WeightSyncGroup``: a stand-alone torch.distributed group, gloo
+on CPU, NCCL on GPU, independent of Megatron's world), described by a ``StageLink``. Two transports:
 
-One sync (``sync_weights``): every PP stage's sender runs ``send_buckets`` at the same time (its TP
-peers join the all-gathers, other DP replicas idle), casting to the wire (rollout) dtype while
-packing and double-buffering (bucket k+1 is gathered and packed while bucket k is in flight), and
-every vLLM worker runs ``receive_buckets``, which keeps the next bucket of every stage posted so
-the stages arrive in parallel. Extra memory: two buckets on a sender, (stages + 1) buckets on a
-receiver, where a bucket is ``bucket_bytes`` or the largest single tensor if that is larger (a
-tensor is never split). ``check=True`` compares per-tensor checksums afterwards.
+- ``broadcast`` (any placement; NCCL on GPU): the stage sender (DP0/TP0) gathers each tensor over its
+  TP group, packs bucket k+1 while bucket k is in flight (two buffers) and broadcasts it
+  (``send_buckets`` / ``receive_buckets``).
+- ``shm`` (cpu profile, every member on one node): two bucket-sized slots in /dev/shm, mapped by the
+  stage's TP ranks and every receiver. Each TP rank writes its own shard straight into its place in
+  the slot (no TP gather, no socket copies); receivers load from views of the slot. Two tiny
+  all-reduces per bucket order it: "ready" (all writers are done) and "done" (every receiver has
+  loaded it, so the slot can take bucket k+2) (``write_buckets`` / ``receive_shared``).
+
+A tensor larger than a bucket travels in row pieces (``split_rows``), so no bucket exceeds
+``bucket_bytes`` (unless one row does). Extra memory: shm writers, the two slots (shared by the whole
+node, mapped by every member); a broadcast sender, two buffers plus the tensor it is gathering;
+receivers, the slots (shm) or two buffers per stage (broadcast; a fresh one per bucket for a reload,
+which keeps views until a layer is complete), plus, while the pieces of a split tensor arrive, that
+one tensor, assembled whole for vLLM's loaders. ``check=True`` compares per-tensor checksums
+afterwards.
 """
 from __future__ import annotations
 
 import datetime
+import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -32,19 +41,28 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass(frozen=True)
 class TensorSpec:
     name: str  # HuggingFace parameter name, e.g. "model.layers.3.self_attn.q_proj.weight"
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # the full tensor's
     dtype: str  # a key of DTYPES: the dtype on the wire (the rollout engine's dtype)
+    rows: tuple[int, int] | None = None  # a piece of a tensor larger than a bucket: rows [start, stop)
+
+    @property
+    def piece_shape(self) -> tuple[int, ...]:
+        return self.shape if self.rows is None else (self.rows[1] - self.rows[0], *self.shape[1:])
 
     @property
     def numel(self) -> int:
         n = 1
-        for d in self.shape:
+        for d in self.piece_shape:
             n *= d
         return n
 
     @property
     def nbytes(self) -> int:
         return self.numel * DTYPES[self.dtype].itemsize
+
+    @property
+    def is_last_piece(self) -> bool:
+        return self.rows is None or self.rows[1] == self.shape[0]
 
 
 @dataclass(frozen=True)
@@ -57,13 +75,24 @@ class Bucket:
         return sum(t.numel for t in self.tensors)
 
 
+def split_rows(spec: TensorSpec, bucket_bytes: int) -> list[TensorSpec]:
+    """``spec`` itself, or, if it is larger than a bucket, its pieces of as many whole rows (dim 0) as
+    fit in one (at least one row each), so that no bucket exceeds ``bucket_bytes``."""
+    if spec.nbytes <= bucket_bytes or len(spec.shape) == 0 or spec.shape[0] < 2:
+        return [spec]
+    per = max(1, bucket_bytes // (spec.nbytes // spec.shape[0]))
+    return [TensorSpec(spec.name, spec.shape, spec.dtype, (a, min(a + per, spec.shape[0])))
+            for a in range(0, spec.shape[0], per)]
+
+
 def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[Bucket]:
-    """Greedy, order-preserving cut into buckets of one dtype and at most ``bucket_bytes`` each
-    (a single tensor larger than that gets a bucket of its own)."""
+    """Greedy, order-preserving cut into buckets of one dtype and at most ``bucket_bytes`` each; a
+    tensor larger than that travels in row pieces (``split_rows``; only a single row larger than a
+    bucket makes a larger one)."""
     buckets: list[Bucket] = []
     cur: list[TensorSpec] = []
     cur_bytes = 0
-    for s in specs:
+    for s in (piece for spec in specs for piece in split_rows(spec, bucket_bytes)):
         if cur and (cur_bytes + s.nbytes > bucket_bytes or s.dtype != cur[0].dtype):
             buckets.append(Bucket(cur[0].dtype, tuple(cur)))
             cur, cur_bytes = [], 0
@@ -74,17 +103,124 @@ def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[Bucket]:
     return buckets
 
 
-def unpack(bucket: Bucket, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """(name, view) pairs over ``buffer`` in plan order."""
+def unpack(bucket: Bucket, buffer: torch.Tensor) -> list[tuple[TensorSpec, torch.Tensor]]:
+    """(spec, view) pairs over ``buffer`` in plan order (a piece's view has its ``piece_shape``)."""
     out, off = [], 0
     for s in bucket.tensors:
-        out.append((s.name, buffer[off:off + s.numel].view(s.shape)))
+        out.append((s, buffer[off:off + s.numel].view(s.piece_shape)))
         off += s.numel
     return out
 
 
+def plan_tensors(plan: list[Bucket]) -> list[TensorSpec]:
+    """The whole tensors of a plan, in order (each split tensor once, as its full spec), after checking
+    that every split tensor's pieces follow each other and cover its rows exactly."""
+    out: list[TensorSpec] = []
+    pending = None  # (spec, next row) of a split tensor whose pieces are still arriving
+    for spec in (t for b in plan for t in b.tensors):
+        if pending is not None:
+            if spec.name != pending[0].name or spec.rows is None or spec.rows[0] != pending[1]:
+                raise ValueError(f"weight sync plan: {pending[0].name} stops at row {pending[1]} of "
+                                 f"{pending[0].shape[0]}; {spec.name} rows {spec.rows} came next")
+        elif spec.rows is not None and spec.rows[0] != 0:
+            raise ValueError(f"weight sync plan: {spec.name} starts at row {spec.rows[0]}, not 0")
+        if spec.rows is None:
+            out.append(spec)
+        elif spec.is_last_piece:
+            out.append(TensorSpec(spec.name, spec.shape, spec.dtype))
+            pending = None
+        else:
+            pending = (spec, spec.rows[1])
+    if pending is not None:
+        raise ValueError(f"weight sync plan: {pending[0].name} ends at row {pending[1]} of {pending[0].shape[0]}")
+    return out
+
+
+class _Assembler:
+    """Turns a receiver's (spec, view) stream into (HF name, full tensor): whole tensors pass as they
+    are (views, or copies with ``copy_out``); the pieces of a split tensor are copied into one tensor
+    that is yielded when its last piece arrives (the only extra memory on a receiver beyond the
+    buckets: one split tensor at a time, since pieces arrive in order)."""
+
+    def __init__(self, copy_out: bool):
+        self.copy_out, self.partial = copy_out, {}
+
+    def __call__(self, pairs) -> Iterator[tuple[str, torch.Tensor]]:
+        for spec, view in pairs:
+            if spec.rows is None:
+                yield spec.name, view.clone() if self.copy_out else view
+                continue
+            full = self.partial.get(spec.name)
+            if full is None:
+                full = self.partial[spec.name] = torch.empty(spec.shape, dtype=view.dtype, device=view.device)
+            full[spec.rows[0]:spec.rows[1]].copy_(view)
+            if spec.is_last_piece:
+                yield spec.name, self.partial.pop(spec.name)
+
+
 def empty_buffer(bucket: Bucket, device: str | torch.device = "cpu") -> torch.Tensor:
     return torch.empty(bucket.numel, dtype=DTYPES[bucket.dtype], device=device)
+
+
+TRANSPORTS = ("auto", "shm", "broadcast")
+
+
+@dataclass(frozen=True)
+class StageLink:
+    """How every member reaches one PP stage's weight-sync group. Ranks ``0..writers-1`` produce the
+    buckets (the stage sender alone with ``broadcast``; all TP ranks of the stage's DP replica 0 with
+    ``shm``, rank = TP rank), ranks ``writers..`` are the vLLM workers of every engine."""
+    stage: int
+    host: str  # the store's address (writer rank 0)
+    port: int
+    writers: int
+    receivers: int
+    transport: str  # "broadcast" or "shm"
+    slot_path: str = ""  # shm: slot i is the file f"{slot_path}.{i}"
+    slot_bytes: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.writers + self.receivers
+
+
+class SharedSlots:
+    """The two bucket slots of a ``shm`` link: files in /dev/shm mapped shared by every member. The
+    stage's writer rank 0 creates them (``create=True``) before anyone joins the group and unlinks the
+    files once the group is up (everyone has mapped them by then), so a crash leaves nothing behind."""
+
+    def __init__(self, link: StageLink, create: bool = False):
+        self.paths = [f"{link.slot_path}.{i}" for i in range(2)]
+        if create:
+            for path in self.paths:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                try:
+                    os.ftruncate(fd, link.slot_bytes)
+                finally:
+                    os.close(fd)
+        try:
+            self.slots = [torch.from_file(path, shared=True, size=link.slot_bytes, dtype=torch.uint8)
+                          for path in self.paths]
+        except RuntimeError as e:
+            raise RuntimeError(f"weight sync (shm): cannot map {self.paths} ({e}); is every member of stage "
+                               f"{link.stage}'s group on one node?") from e
+
+    def view(self, k: int, bucket: Bucket) -> torch.Tensor:
+        """The flat buffer of bucket number ``k`` (slot ``k % 2``) in the bucket's dtype."""
+        dtype = DTYPES[bucket.dtype]
+        return self.slots[k % 2][:bucket.numel * dtype.itemsize].view(dtype)
+
+    def unlink(self) -> None:
+        for path in self.paths:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+
+def slot_bytes(plan: list[Bucket]) -> int:
+    """The size of a ``shm`` slot for ``plan``: its largest bucket."""
+    return max((b.numel * DTYPES[b.dtype].itemsize for b in plan), default=0)
 
 
 def checksum(tensors: list[tuple[str, torch.Tensor]]) -> dict[str, float]:
@@ -148,9 +284,12 @@ class WeightSyncGroup:
         return self._pg.broadcast([tensor], opts)
 
     def barrier(self) -> None:
-        t = torch.zeros(1, device=self.device)
-        opts = dist.AllreduceOptions()
-        self._pg.allreduce([t], opts).wait()
+        self.signal().wait()
+
+    def signal(self):
+        """Posts a one-element all-reduce: it completes once every member has posted its own (a
+        non-blocking barrier; ops of one group complete in posting order on every member)."""
+        return self._pg.allreduce([torch.zeros(1, device=self.device)], dist.AllreduceOptions())
 
 
 # ------------------------------------------------------------------ the two sides of one sync
@@ -230,21 +369,22 @@ def _send_loop(group, plan, tensors, buffers, stats, sums, clock) -> None:
         flat = buffers[bucket.dtype][slot][:bucket.numel]
         off = 0
         for spec in bucket.tensors:
+            if spec.rows is None or spec.rows[0] == 0:  # a new tensor (not the next piece of one)
+                t = clock()
+                item = next(tensors, None)
+                stats["gather_s"] += clock() - t
+                if item is None:
+                    raise RuntimeError(f"weight sync: the model ran out of tensors before {spec.name!r} of the plan")
+                name, tensor = item
+                if name != spec.name:
+                    raise RuntimeError(f"weight sync: the model yields {name!r} where the plan has {spec.name!r}")
+                if tuple(tensor.shape) != spec.shape:
+                    raise ValueError(f"weight sync: {name} has shape {tuple(tensor.shape)}, the plan says {spec.shape}")
+                if sums is not None:
+                    sums.update(checksum([(name, tensor.to(DTYPES[spec.dtype]))]))
             t = clock()
-            item = next(tensors, None)
-            stats["gather_s"] += clock() - t
-            if item is None:
-                raise RuntimeError(f"weight sync: the model ran out of tensors before {spec.name!r} of the plan")
-            name, tensor = item
-            if name != spec.name:
-                raise RuntimeError(f"weight sync: the model yields {name!r} where the plan has {spec.name!r}")
-            if tuple(tensor.shape) != spec.shape:
-                raise ValueError(f"weight sync: {name} has shape {tuple(tensor.shape)}, the plan says {spec.shape}")
-            t = clock()
-            view = flat[off:off + spec.numel]
-            view.copy_(tensor.reshape(-1))  # casts to the wire (rollout) dtype
-            if sums is not None:
-                sums.update(checksum([(name, view)]))
+            piece = tensor if spec.rows is None else tensor[spec.rows[0]:spec.rows[1]]
+            flat[off:off + spec.numel].copy_(piece.reshape(-1))  # casts to the wire (rollout) dtype
             stats["pack_s"] += clock() - t
             off += spec.numel
         in_flight[slot] = group.broadcast_async(flat, src=0)
@@ -258,24 +398,40 @@ def _send_loop(group, plan, tensors, buffers, stats, sums, clock) -> None:
 
 
 def receive_buckets(groups: list[WeightSyncGroup], plans: list[list[Bucket]], device: str | torch.device,
-                    stats: dict) -> Iterator[tuple[str, torch.Tensor]]:
+                    stats: dict, reuse_buffers: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """The receiver's side of one sync: (HF name, view) pairs of every bucket of every stage group,
     for a loader to consume lazily. The stages arrive in parallel: each group always has the receive
     of its next bucket posted while the current one is consumed, and the stages take turns. Extra
     memory: (number of stages + 1) buckets, plus whatever the consumer keeps referenced. Adds
-    ``bytes``, ``buckets``, ``tensors`` and ``recv_wait_s`` (time blocked on arrivals) to ``stats``."""
+    ``bytes``, ``buckets``, ``tensors`` and ``recv_wait_s`` (time blocked on arrivals) to ``stats``.
+
+    ``reuse_buffers``: the consumer copies every tensor before asking for the next one (an in-place
+    load), so each stage alternates between two buffers (2 x stages buckets, no fresh pages per sync);
+    otherwise every bucket gets a fresh buffer (vLLM's layerwise reload keeps views until a layer is
+    complete)."""
     for key in ("bytes", "buckets", "tensors", "recv_wait_s"):
         stats.setdefault(key, 0)
     remaining = [iter(plan) for plan in plans]
     posted: list = [None] * len(plans)
+    pools = [[None, None] for _ in plans]
+    assemble = _Assembler(copy_out=False)
+    counts = [0] * len(plans)
 
     def post(s: int) -> None:
-        # A fresh buffer per bucket: the consumer may keep views of the previous one alive.
         bucket = next(remaining[s], None)
         if bucket is None:
             posted[s] = None
             return
-        buf = empty_buffer(bucket, device)
+        if reuse_buffers:
+            slot = counts[s] % 2
+            counts[s] += 1
+            dtype = DTYPES[bucket.dtype]
+            if pools[s][slot] is None or pools[s][slot].numel() * pools[s][slot].element_size() < bucket.numel * dtype.itemsize:
+                pools[s][slot] = torch.empty(max(b.numel * DTYPES[b.dtype].itemsize for b in plans[s]),
+                                             dtype=torch.uint8, device=device)
+            buf = pools[s][slot][:bucket.numel * dtype.itemsize].view(dtype)
+        else:
+            buf = empty_buffer(bucket, device)
         posted[s] = (bucket, buf, groups[s].broadcast_async(buf, src=0))
 
     for s in range(len(plans)):
@@ -292,27 +448,139 @@ def receive_buckets(groups: list[WeightSyncGroup], plans: list[list[Bucket]], de
                 active.remove(s)
             stats["bytes"] += buf.numel() * buf.element_size()
             stats["buckets"] += 1
-            stats["tensors"] += len(bucket.tensors)
-            yield from unpack(bucket, buf)
+            stats["tensors"] += sum(spec.is_last_piece for spec in bucket.tensors)
+            yield from assemble(unpack(bucket, buf))
             del buf
 
 
+def write_buckets(group: WeightSyncGroup, slots: SharedSlots, plan: list[Bucket],
+                  writes: Iterator[tuple[str, Callable[[torch.Tensor, tuple[int, int] | None], None]]],
+                  with_checksums: bool = False) -> dict:
+    """A writer's side of one ``shm`` sync (every TP rank of the stage runs it at once): for each
+    bucket, waits until its slot is free (the receivers are done with bucket k-2), lets each
+    ``write(dest, rows)`` of ``writes`` (HF name, in plan order) copy this rank's part of that tensor
+    into ``dest`` (its view in the slot, in the wire dtype: the whole tensor, or rows ``rows`` of it
+    for a piece of a tensor larger than a bucket), then signals "ready".
+    Returns bytes, buckets, ``pack_s`` (the writes, incl. the cast), ``send_wait_s`` (waiting for a
+    free slot) and ``gather_s`` (0: nothing is gathered); with ``with_checksums`` (writer rank 0
+    only) the checksums of the full tensors once every writer is done."""
+    stats = {"bytes": 0, "buckets": 0, "gather_s": 0.0, "pack_s": 0.0, "send_wait_s": 0.0,
+             "buffer_bytes": sum(s.numel() for s in slots.slots)}
+    sums: dict[str, float] = {}
+    assemble = _Assembler(copy_out=False)  # checksums of split tensors are taken whole
+    clock = time.perf_counter
+    done: list = [None, None]  # the "done" signal of the bucket last written to each slot
+    signals = []  # keep every posted signal referenced until the end
+    with PeakRss() as peak:
+        for k, bucket in enumerate(plan):
+            if done[k % 2] is not None:
+                t = clock()
+                done[k % 2].wait()
+                stats["send_wait_s"] += clock() - t
+            flat = slots.view(k, bucket)
+            off = 0
+            t = clock()
+            for spec in bucket.tensors:
+                if spec.rows is None or spec.rows[0] == 0:  # a new tensor (not the next piece of one)
+                    item = next(writes, None)
+                    if item is None:
+                        raise RuntimeError(f"weight sync: the model ran out of tensors before {spec.name!r} of the plan")
+                    name, write = item
+                    if name != spec.name:
+                        raise RuntimeError(f"weight sync: the model yields {name!r} where the plan has {spec.name!r}")
+                write(flat[off:off + spec.numel].view(spec.piece_shape), spec.rows)
+                off += spec.numel
+            stats["pack_s"] += clock() - t
+            ready = group.signal()
+            if with_checksums:
+                ready.wait()  # the other writers' parts are in the slot now
+                for name, full in assemble(unpack(bucket, flat)):
+                    sums.update(checksum([(name, full)]))
+            done[k % 2] = group.signal()
+            signals += [ready, done[k % 2]]
+            stats["bytes"] += flat.numel() * flat.element_size()
+            stats["buckets"] += 1
+        t = clock()
+        for work in signals:
+            work.wait()
+        stats["send_wait_s"] += clock() - t
+    stats["peak_extra_bytes"] = peak.extra_bytes
+    leftover = next(writes, None)
+    if leftover is not None:
+        raise RuntimeError(f"weight sync: the model yields {leftover[0]!r}, which the plan lacks")
+    if with_checksums:
+        stats["checksums"] = sums
+    return stats
+
+
+def receive_shared(groups: list[WeightSyncGroup], slots: list[SharedSlots], plans: list[list[Bucket]],
+                   stats: dict, copy_out: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """A receiver's side of one ``shm`` sync: (HF name, view into the slot) of every bucket of every
+    stage, the stages taking turns as their buckets become ready. A bucket's "done" is signalled
+    when the consumer asks for the next tensor after it, so the consumer must have copied the views
+    by then; ``copy_out`` yields copies instead (for a consumer that keeps them: vLLM's layerwise
+    reload). Adds ``bytes``, ``buckets``, ``tensors`` and ``recv_wait_s`` to ``stats``."""
+    for key in ("bytes", "buckets", "tensors", "recv_wait_s"):
+        stats.setdefault(key, 0)
+    remaining = [iter(enumerate(plan)) for plan in plans]
+    posted: list = [None] * len(plans)
+    signals = []
+    assemble = _Assembler(copy_out)
+
+    def post(s: int) -> None:
+        nxt = next(remaining[s], None)
+        posted[s] = None if nxt is None else (nxt[0], nxt[1], groups[s].signal())
+
+    for s in range(len(plans)):
+        post(s)
+    active = [s for s in range(len(plans)) if posted[s] is not None]
+    while active:
+        for s in list(active):
+            k, bucket, ready = posted[s]
+            t = time.perf_counter()
+            ready.wait()
+            stats["recv_wait_s"] += time.perf_counter() - t
+            flat = slots[s].view(k, bucket)
+            yield from assemble(unpack(bucket, flat))
+            signals.append(groups[s].signal())  # done: the slot may take bucket k + 2
+            stats["bytes"] += flat.numel() * flat.element_size()
+            stats["buckets"] += 1
+            stats["tensors"] += sum(spec.is_last_piece for spec in bucket.tensors)
+            post(s)
+            if posted[s] is None:
+                active.remove(s)
+    for work in signals:
+        work.wait()
+
+
 # ----------------------------------------------------------------------- orchestration (controller)
-def connect_weight_sync(senders, receivers, num_receivers: int, bucket_bytes: int, wire_dtype: str) -> None:
-    """Builds one weight-sync group per actor PP stage: that stage's sender (rank 0) plus every vLLM
-    worker of every rollout engine. ``senders`` is a MegatronGroup, ``receivers`` a RolloutPool
-    (duck-typed: rlcore never imports them); ``num_receivers`` is the number of engines (each joins
-    with its ``tp`` workers). Both sides block in group creation until all members join, hence one
-    ray.get. Calling it again (a new actor, a new bucket size) replaces the groups."""
+def connect_weight_sync(senders, receivers, num_receivers: int, bucket_bytes: int, wire_dtype: str,
+                        transport: str = "auto") -> list[StageLink]:
+    """Builds one weight-sync group per actor PP stage: that stage's writers plus every vLLM worker
+    of every rollout engine. ``senders`` is a MegatronGroup, ``receivers`` a RolloutPool (duck-typed:
+    rlcore never imports them); ``num_receivers`` is the number of engines (each joins with its
+    ``tp`` workers). ``transport`` (``rollout.weight_transport``): ``shm`` when every member is on
+    one node and the profile is cpu, ``broadcast`` otherwise (``auto``), or forced. Both sides block
+    in group creation until all members join, hence one ray.get. Calling it again (a new actor, a new
+    bucket size) replaces the groups. Returns the links."""
     import ray
 
     if num_receivers != receivers.num_engines:
         raise ValueError(f"weight sync: num_receivers={num_receivers}, but the rollout pool has "
                          f"{receivers.num_engines} engines")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"rollout.weight_transport={transport!r}: expected one of {list(TRANSPORTS)}")
+    nodes = set(senders.node_ips()) | set(receivers.node_ips())
+    one_cpu_node = senders.profile == "cpu" and len(nodes) == 1
+    if transport == "auto":
+        transport = "shm" if one_cpu_node else "broadcast"
+    elif transport == "shm" and not one_cpu_node:
+        raise ValueError(f"rollout.weight_transport=shm needs the cpu profile and the actor and rollout on one "
+                         f"node; here: profile {senders.profile}, nodes {sorted(nodes)}")
     plans = senders.weight_sync_plans(bucket_bytes, wire_dtype)
-    endpoints = senders.weight_sync_endpoints()
-    world_sizes = [1 + receivers.num_receiving_ranks] * len(endpoints)
-    ray.get(senders.init_weight_sync(world_sizes) + receivers.init_weight_sync(endpoints, world_sizes, plans))
+    links = senders.weight_sync_links(transport, receivers.num_receiving_ranks)
+    ray.get(senders.init_weight_sync(links) + receivers.init_weight_sync(links, plans))
+    return links
 
 
 def sync_weights(senders, receivers, version: int, check: bool = False) -> list:

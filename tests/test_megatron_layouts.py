@@ -1,5 +1,7 @@
 """Layout equivalence: one actor update gives the same loss, metrics and updated weights under
-TP1PP1, TP2, PP2 and DP2 (DP2 with the distributed optimizer), from the same HF checkpoint and batch.
+TP1PP1, TP2, PP2, DP2 (DP2 with the distributed optimizer) and PP2 with two virtual stages per PP
+rank (megatron's interleaved 1F1B, one layer per model chunk), from the same HF checkpoint and batch.
+Distributed checkpoints cross between TP1PP1 and TP1PP2VPP2 both ways, optimizer state included.
 
 The model is a Qwen2 with qkv bias and tied embeddings, so TP splits the fused qkv bias and PP keeps
 a second copy of the embedding on the last stage, whose gradient megatron must add to the first's.
@@ -54,28 +56,63 @@ def right_padded_batch(vocab: int = 16, pad_id: int = 0, seed: int = 0) -> Batch
                  loss_weights=loss_weights(response_mask, "token-mean", SEQ))
 
 
-def run_layout(model_path, placement, tp, pp, dp, batch):
-    """(log-probs before, update metrics, updated HF weights, log-probs after) under one layout."""
-    group = MegatronGroup("actor", model_path, tp=tp, pp=pp, dp=dp, placement=placement,
-                          micro_batch_size=MICRO_BATCH, profile="cpu", dtype="float32",
-                          optim=OptimConfig(**{**OPTIM.__dict__, "use_distributed_optimizer": dp > 1}),
-                          seed=0)
-    try:
-        before = group.compute_logprobs(batch)
-        if "old_logprobs" not in batch:  # the one-process run: on-policy, old = the model's own
-            batch["old_logprobs"] = before * batch["response_mask"]
-        metrics = group.update(batch, LOSS)
-        weights = group.hf_state_dict()
-        after = group.compute_logprobs(batch)
-    finally:
-        group.shutdown()
+def make_group(model_path, placement, tp, pp, dp, vpp=1):
+    return MegatronGroup("actor", model_path, tp=tp, pp=pp, dp=dp, placement=placement,
+                         micro_batch_size=MICRO_BATCH, profile="cpu", dtype="float32",
+                         optim=OptimConfig(**{**OPTIM.__dict__, "use_distributed_optimizer": dp > 1}),
+                         seed=0, vpp=vpp)
+
+
+def update_and_measure(group, batch):
+    """(log-probs before, update metrics, updated HF weights, log-probs after) of one update."""
+    before = group.compute_logprobs(batch)
+    if "old_logprobs" not in batch:  # the one-process run: on-policy, old = the model's own
+        batch["old_logprobs"] = before * batch["response_mask"]
+    metrics = group.update(batch, LOSS)
+    weights = group.hf_state_dict()
+    after = group.compute_logprobs(batch)
     return before, metrics, weights, after
 
 
+def update_then_logprobs(group, batch):
+    """The log-probs after one more update: they depend on the optimizer's state, not only the weights."""
+    group.update(Batch(batch), LOSS)
+    return group.compute_logprobs(batch)
+
+
+def run_layout(model_path, placement, tp, pp, dp, batch):
+    group = make_group(model_path, placement, tp, pp, dp)
+    try:
+        return update_and_measure(group, batch)
+    finally:
+        group.shutdown()
+
+
 @pytest.fixture(scope="module")
-def one_process(model_path, placement):
+def checkpoints(tmp_path_factory):
+    return tmp_path_factory.mktemp("checkpoints")
+
+
+@pytest.fixture(scope="module")
+def second_update():
+    """The log-probs after a second update on the same batch (``logprobs``), filled in by
+    ``one_process``."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def one_process(model_path, placement, checkpoints, second_update):
+    """The TP1PP1 run, which also saves its updated model and optimizer to ``checkpoints/tp1pp1``
+    and then takes a ``second_update``."""
     batch = right_padded_batch()
-    return batch, run_layout(model_path, placement, 1, 1, 1, batch)
+    group = make_group(model_path, placement, 1, 1, 1)
+    try:
+        result = update_and_measure(group, batch)
+        group.save_checkpoint(str(checkpoints / "tp1pp1"))
+        second_update["logprobs"] = update_then_logprobs(group, batch)
+    finally:
+        group.shutdown()
+    return batch, result
 
 
 def test_one_process_matches_transformers_and_first_step_is_on_policy(model_path, one_process):
@@ -110,10 +147,14 @@ def test_one_process_matches_transformers_and_first_step_is_on_policy(model_path
     assert not torch.allclose(after, before)
 
 
-@pytest.mark.parametrize("tp,pp,dp", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["TP2", "PP2", "DP2"])
-def test_layout_matches_one_process(model_path, placement, one_process, tp, pp, dp):
+@pytest.mark.parametrize("tp,pp,dp,vpp", [(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 2, 1, 2)],
+                         ids=["TP2", "PP2", "DP2", "PP2VPP2"])
+def test_layout_matches_one_process(request, model_path, placement, one_process, tp, pp, dp, vpp):
     batch, (ref_before, ref_metrics, ref_weights, ref_after) = one_process
-    before, metrics, weights, after = run_layout(model_path, placement, tp, pp, dp, Batch(batch))
+    if vpp > 1:  # the run that also exchanges checkpoints with TP1PP1 (test_checkpoints_cross_vpp_layouts)
+        before, metrics, weights, after = request.getfixturevalue("pp2vpp2_run")["update"]
+    else:
+        before, metrics, weights, after = run_layout(model_path, placement, tp, pp, dp, Batch(batch))
 
     torch.testing.assert_close(before, ref_before, atol=TOL, rtol=0)
     assert sorted(metrics) == sorted(ref_metrics)
@@ -125,3 +166,48 @@ def test_layout_matches_one_process(model_path, placement, one_process, tp, pp, 
         torch.testing.assert_close(weights[name], ref, atol=TOL, rtol=0, msg=name)
     # Under PP the last stage's copy of the tied embedding must have received the same update.
     torch.testing.assert_close(after, ref_after, atol=TOL, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def pp2vpp2_run(model_path, placement, one_process, checkpoints):
+    """TP1PP2VPP2 (two model chunks of one layer per PP rank): ``update`` as ``update_and_measure``;
+    it then saves its checkpoint to ``checkpoints/pp2vpp2``, loads TP1PP1's (model and optimizer) and
+    gives the ``loaded`` log-probs and weights and the metrics of a ``second_update`` from there."""
+    batch, _ = one_process
+    group = make_group(model_path, placement, 1, 2, 1, vpp=2)
+    try:
+        out = {"update": update_and_measure(group, Batch(batch))}
+        group.save_checkpoint(str(checkpoints / "pp2vpp2"))
+        group.load_checkpoint(str(checkpoints / "tp1pp1"), with_optimizer=True)
+        out["loaded"] = group.compute_logprobs(batch), group.hf_state_dict()
+        out["second_update"] = update_then_logprobs(group, batch)
+    finally:
+        group.shutdown()
+    return out
+
+
+def test_checkpoints_cross_vpp_layouts(model_path, placement, one_process, checkpoints, pp2vpp2_run,
+                                      second_update):
+    """TP1PP2VPP2 <-> TP1PP1: a checkpoint saved by model chunks (model0, model1 per PP rank, the
+    optimizer over both) loads into one unchunked model and back, model and optimizer state: the
+    same function, the same weights, and the same next update from either side."""
+    batch, (_, _, ref_weights, ref_after) = one_process
+    _, _, vpp_weights, vpp_after = pp2vpp2_run["update"]
+    group = make_group(model_path, placement, 1, 1, 1)
+    try:
+        group.load_checkpoint(str(checkpoints / "pp2vpp2"), with_optimizer=True)
+        loaded, weights = group.compute_logprobs(batch), group.hf_state_dict()
+        loaded_second_update = update_then_logprobs(group, batch)
+    finally:
+        group.shutdown()
+    # PP2VPP2 -> TP1PP1, and TP1PP1 -> PP2VPP2: exact weights, the saver's log-probs.
+    for got, got_weights, want, want_weights in ((loaded, weights, vpp_after, vpp_weights),
+                                                 (*pp2vpp2_run["loaded"], ref_after, ref_weights)):
+        torch.testing.assert_close(got, want, atol=TOL, rtol=0)
+        assert sorted(got_weights) == sorted(want_weights)
+        for name, ref in want_weights.items():
+            torch.testing.assert_close(got_weights[name], ref, atol=0, rtol=0, msg=name)
+    # The Adam moments and step count came along: after a load either way the next update moves the
+    # model as TP1PP1's own next update did (a fresh Adam's first step would move it elsewhere).
+    for got in (loaded_second_update, pp2vpp2_run["second_update"]):
+        torch.testing.assert_close(got, second_update["logprobs"], atol=TOL, rtol=0)

@@ -222,3 +222,15 @@ def test_suggest_for_the_critic_and_the_32b_specs():
         assert found.spec_rank == 1, name
         if name.startswith("ppo"):
             assert all(c.critic is not None for c in found.best)
+
+
+def test_virtual_pipeline_stages_hold_more_activations_in_flight():
+    # Interleaved 1F1B: stage 0 keeps 2(pp-1) + (vpp-1)pp + 1 chunk forwards of layers/(pp vpp) layers,
+    # layers * (1 + (pp-1)/(pp vpp)) in all (64 of 64 layers at vpp=1 with pp=2: 80 at vpp=2, 72 at vpp=4).
+    spec = SPECS["grpo_qwen2.5_32b_8x8"]  # actor TP4 PP2, 64 layers
+    acts = {v: next(r for r in _plan_of(spec, f"actor.vpp={v}")[1].roles if r.role == "actor").activations
+            for v in (1, 2, 4)}
+    assert acts[2] == pytest.approx(acts[1] * 80 / 64)
+    assert acts[4] == pytest.approx(acts[1] * 72 / 64)
+    _, p = _plan_of(spec, "actor.vpp=2")
+    assert "worst pipeline stage of 2, 2 virtual stages each" in next(r for r in p.roles if r.role == "actor").notes

@@ -17,16 +17,17 @@ import torch
 
 from launch.assets import make_tiny_model
 from rlcore.config import RolloutConfig
-from rlcore.weight_sync import (TensorSpec, WeightMismatchError, WeightSyncGroup, check_engines, checksum,
-                                plan_buckets, send_buckets)
+from rlcore.weight_sync import (StageLink, TensorSpec, WeightMismatchError, WeightSyncGroup, check_engines,
+                                checksum, plan_buckets, send_buckets)
 
 BUCKET_BYTES = 100_000  # several buckets; q/k land in one bucket and v in the next
 MAX_LEN = 256  # room for a prompt longer than one CPU KV block (128 tokens), so prefix caching bites
 # untied: two engines in one stage group (world 3); tied: one engine, two actor PP stages (two groups).
-# tp2: one engine whose two vLLM workers each join both stage groups (world 3) and load their shards.
+# tp2: one engine whose two vLLM workers each join both stage groups (world 3) and load their shards,
+# with plain (unpacked) CPU GEMM weights: the in-place load (model.load_weights), not the reload.
 CASES = {"untied": dict(tied=False, engines=2, tp=1, stages=1, seeds=(21, 22)),
          "tied": dict(tied=True, engines=1, tp=1, stages=2, seeds=(23, 24)),
-         "tp2": dict(tied=False, engines=1, tp=2, stages=2, seeds=(25, 26))}
+         "tp2": dict(tied=False, engines=1, tp=2, stages=2, seeds=(25, 26), cpu_prepack=False)}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,8 @@ def setups(cluster, tmp_path_factory):
             dirs = [make_tiny_model(str(root / f"{case}-{s}"), seed=s, tie_word_embeddings=c["tied"],
                                     max_position_embeddings=MAX_LEN) for s in c["seeds"]]
             hf = [AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval() for d in dirs]
-            pool = RolloutPool(dirs[0], RolloutConfig(engines=c["engines"], tp=c["tp"], kv_cache_gb=0.25),
+            pool = RolloutPool(dirs[0], RolloutConfig(engines=c["engines"], tp=c["tp"], kv_cache_gb=0.25,
+                                                      cpu_prepack=c.get("cpu_prepack", True)),
                                cluster.placement(case), "cpu", "float32", seed=0)
             out[case] = dict(pool=pool, hf_a=hf[0], hf_b=hf[1])
         yield out
@@ -134,24 +136,29 @@ def test_plan_must_cover_the_model(setups):
     del sd["model.layers.1.mlp.up_proj.weight"]
     plan = _stage_plans(sd, 1)
     with pytest.raises(ray.exceptions.RayTaskError, match=r"missing \['model.layers.1.mlp.up_proj.weight'\]"):
-        ray.get(pool.init_weight_sync([("127.0.0.1", _free_port())], [2], plan))
-    with pytest.raises(ValueError, match="world sizes"):
-        pool.init_weight_sync([("127.0.0.1", _free_port())], [3], plan)
+        ray.get(pool.init_weight_sync([_link(0, 1)], plan))
+    with pytest.raises(ValueError, match="expect \\[2\\] receivers"):
+        pool.init_weight_sync([_link(0, 2)], plan)
+
+
+def _link(stage: int, receivers: int) -> StageLink:
+    """A broadcast link whose writer (the stage's sender) is this test process."""
+    return StageLink(stage, "127.0.0.1", _free_port(), writers=1, receivers=receivers, transport="broadcast")
 
 
 def _connect(pool, plans, world):
     """One stage group per plan: the test process is each group's rank 0 (the stage's sender)."""
-    endpoints = [("127.0.0.1", _free_port()) for _ in plans]
+    links = [_link(s, world - 1) for s in range(len(plans))]
     ranks, groups = _with_senders(
-        [lambda ep=ep: WeightSyncGroup(ep[0], ep[1], 0, world) for ep in endpoints],
-        pool.init_weight_sync(endpoints, [world] * len(plans), plans))
+        [lambda link=link: WeightSyncGroup(link.host, link.port, 0, world) for link in links],
+        pool.init_weight_sync(links, plans))
     return ranks, groups
 
 
 def _senders(groups, plans, sd):
     """The stages send in parallel, each its own buckets, as the actor's stage senders do."""
     def send(group, plan):
-        names = [t.name for b in plan for t in b.tensors]
+        names = [t.name for b in plan for t in b.tensors if t.rows is None or t.rows[0] == 0]
         return send_buckets(group, plan, iter([(n, sd[n]) for n in names]), with_checksums=True)
     return [lambda g=g, p=p: send(g, p) for g, p in zip(groups, plans)]
 
@@ -183,6 +190,7 @@ def test_synced_engines_compute_the_sent_model(setups, case):
     assert sum(st["bytes"] for st in sent) == total
     for st in stats:
         assert st["version"] == 5 and st["buckets"] == sum(map(len, plans)) and st["bytes"] == total
+        assert st["load"] == ("reload" if CASES[case].get("cpu_prepack", True) else "in_place")
 
     assert _max_prompt_diff(pool, hf_b, seqs) <= 1e-3
     # The long prompt again: served from a stale prefix cache its log-probs would be model A's.
@@ -236,4 +244,4 @@ def test_a_corrupted_bucket_is_caught_by_the_checksum_check(setups):
     _, (sent,) = _with_senders(_senders([group], plans, sd), pool.receive_weights(7))
     with pytest.raises(WeightMismatchError, match=r"rollout engine 0 holds a different "
                                                   rf"{re.escape(target)} "):
-        check_engines(sent["checksums"], pool.weight_checksums(), [t.name for b in plans[0] for t in b.tensors])
+        check_engines(sent["checksums"], pool.weight_checksums(), list(sent["checksums"]))

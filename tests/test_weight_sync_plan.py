@@ -1,0 +1,69 @@
+"""The weight-sync plan on its own (no processes): buckets never exceed their size, tensors larger
+than a bucket travel in row pieces that a receiver reassembles exactly, and malformed plans are
+refused with the tensor named."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlcore.weight_sync import (Bucket, TensorSpec, _Assembler, plan_buckets, plan_tensors, split_rows,
+                                unpack)
+
+
+def _specs():
+    return [TensorSpec("a", (10, 4), "float32"), TensorSpec("big", (100, 8), "float32"),
+            TensorSpec("b", (3,), "float32"), TensorSpec("wide", (2, 600), "float32")]
+
+
+def test_buckets_stay_within_their_size_and_pieces_cover_each_tensor():
+    bucket_bytes = 1000  # 'big' is 3200 bytes: pieces of 31 rows; one row of 'wide' is 2400 bytes
+    plan = plan_buckets(_specs(), bucket_bytes)
+    pieces = [t for b in plan for t in b.tensors if t.name == "big"]
+    assert [t.rows for t in pieces] == [(0, 31), (31, 62), (62, 93), (93, 100)]
+    # Every bucket fits, except the one holding a single row larger than a bucket.
+    assert all(b.numel * 4 <= bucket_bytes for b in plan if not any(t.name == "wide" for t in b.tensors))
+    assert [t.rows for b in plan for t in b.tensors if t.name == "wide"] == [(0, 1), (1, 2)]
+    assert [(t.name, t.shape, t.rows) for t in plan_tensors(plan)] == [(s.name, s.shape, None) for s in _specs()]
+    assert split_rows(TensorSpec("small", (2, 2), "float32"), 1000) == [TensorSpec("small", (2, 2), "float32")]
+
+
+def test_a_receiver_reassembles_split_tensors_bit_exactly():
+    g = torch.Generator().manual_seed(0)
+    tensors = {s.name: torch.randn(s.shape, generator=g) for s in _specs()}
+    plan = plan_buckets(_specs(), 1000)
+    assemble, got = _Assembler(copy_out=False), {}
+    for bucket in plan:  # what a sender packs: each spec's rows of its tensor, in order
+        buf = torch.cat([(tensors[t.name] if t.rows is None else tensors[t.name][t.rows[0]:t.rows[1]]).reshape(-1)
+                         for t in bucket.tensors])
+        for name, t in assemble(unpack(bucket, buf)):
+            assert name not in got
+            got[name] = t.clone()
+    assert sorted(got) == sorted(tensors)
+    for name, t in tensors.items():
+        assert torch.equal(got[name], t), name
+
+
+def test_malformed_plans_name_the_tensor():
+    piece = TensorSpec("w", (4, 2), "float32", (0, 2))
+    with pytest.raises(ValueError, match="w stops at row 2 of 4"):
+        plan_tensors([Bucket("float32", (piece, TensorSpec("x", (1,), "float32")))])
+    with pytest.raises(ValueError, match="w ends at row 2 of 4"):
+        plan_tensors([Bucket("float32", (piece,))])
+    with pytest.raises(ValueError, match="w starts at row 2"):
+        plan_tensors([Bucket("float32", (TensorSpec("w", (4, 2), "float32", (2, 4)),))])
+
+
+def test_shm_transport_is_refused_off_one_cpu_node():
+    """The transport decision comes before anything is set up; shm needs the cpu profile and one node."""
+    from types import SimpleNamespace
+
+    from rlcore.weight_sync import connect_weight_sync
+
+    receivers = SimpleNamespace(num_engines=1, node_ips=lambda: ["10.0.0.2"])
+    for profile, ips in (("cpu", ["10.0.0.1"]), ("gpu", ["10.0.0.2"])):
+        senders = SimpleNamespace(profile=profile, node_ips=lambda ips=ips: ips)
+        with pytest.raises(ValueError, match="rollout.weight_transport=shm needs the cpu profile and the actor "
+                                             "and rollout on one node"):
+            connect_weight_sync(senders, receivers, 1, 1 << 20, "float32", transport="shm")
+    with pytest.raises(ValueError, match="rollout.weight_transport='tcp': expected one of"):
+        connect_weight_sync(senders, receivers, 1, 1 << 20, "float32", transport="tcp")
