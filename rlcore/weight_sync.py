@@ -140,13 +140,16 @@ class _Assembler:
     """Turns a receiver's (spec, view) stream into (HF name, full tensor): whole tensors pass as they
     are (views, or copies with ``copy_out``); the pieces of a split tensor are copied into one tensor
     that is yielded when its last piece arrives (the only extra memory on a receiver beyond the
-    buckets: one split tensor at a time, since pieces arrive in order)."""
+    buckets: one split tensor at a time, since pieces arrive in order), unless ``load_piece(spec,
+    view)`` takes the piece itself (returns True: e.g. rows copied straight into their parameter)."""
 
-    def __init__(self, copy_out: bool):
-        self.copy_out, self.partial = copy_out, {}
+    def __init__(self, copy_out: bool, load_piece: Callable[[TensorSpec, torch.Tensor], bool] | None = None):
+        self.copy_out, self.load_piece, self.partial = copy_out, load_piece, {}
 
     def __call__(self, pairs) -> Iterator[tuple[str, torch.Tensor]]:
         for spec, view in pairs:
+            if spec.rows is not None and self.load_piece is not None and self.load_piece(spec, view):
+                continue
             if spec.rows is None:
                 yield spec.name, view.clone() if self.copy_out else view
                 continue
@@ -398,7 +401,9 @@ def _send_loop(group, plan, tensors, buffers, stats, sums, clock) -> None:
 
 
 def receive_buckets(groups: list[WeightSyncGroup], plans: list[list[Bucket]], device: str | torch.device,
-                    stats: dict, reuse_buffers: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                    stats: dict, reuse_buffers: bool = False,
+                    load_piece: Callable[[TensorSpec, torch.Tensor], bool] | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """The receiver's side of one sync: (HF name, view) pairs of every bucket of every stage group,
     for a loader to consume lazily. The stages arrive in parallel: each group always has the receive
     of its next bucket posted while the current one is consumed, and the stages take turns. Extra
@@ -414,7 +419,7 @@ def receive_buckets(groups: list[WeightSyncGroup], plans: list[list[Bucket]], de
     remaining = [iter(plan) for plan in plans]
     posted: list = [None] * len(plans)
     pools = [[None, None] for _ in plans]
-    assemble = _Assembler(copy_out=False)
+    assemble = _Assembler(copy_out=False, load_piece=load_piece)
     counts = [0] * len(plans)
 
     def post(s: int) -> None:
@@ -514,18 +519,21 @@ def write_buckets(group: WeightSyncGroup, slots: SharedSlots, plan: list[Bucket]
 
 
 def receive_shared(groups: list[WeightSyncGroup], slots: list[SharedSlots], plans: list[list[Bucket]],
-                   stats: dict, copy_out: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                   stats: dict, copy_out: bool = False,
+                   load_piece: Callable[[TensorSpec, torch.Tensor], bool] | None = None
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
     """A receiver's side of one ``shm`` sync: (HF name, view into the slot) of every bucket of every
     stage, the stages taking turns as their buckets become ready. A bucket's "done" is signalled
     when the consumer asks for the next tensor after it, so the consumer must have copied the views
     by then; ``copy_out`` yields copies instead (for a consumer that keeps them: vLLM's layerwise
-    reload). Adds ``bytes``, ``buckets``, ``tensors`` and ``recv_wait_s`` to ``stats``."""
+    reload). ``load_piece``: see ``_Assembler``. Adds ``bytes``, ``buckets``, ``tensors`` and
+    ``recv_wait_s`` to ``stats``."""
     for key in ("bytes", "buckets", "tensors", "recv_wait_s"):
         stats.setdefault(key, 0)
     remaining = [iter(enumerate(plan)) for plan in plans]
     posted: list = [None] * len(plans)
     signals = []
-    assemble = _Assembler(copy_out)
+    assemble = _Assembler(copy_out, load_piece)
 
     def post(s: int) -> None:
         nxt = next(remaining[s], None)

@@ -145,10 +145,13 @@ class WeightSyncWorkerExtension:
         # A reload keeps the tensors of a layer until all of them have arrived (vLLM's layerwise
         # reload), so it needs buffers that outlive their bucket: fresh ones, or copies out of the
         # shared slots. An in-place load copies each tensor before it asks for the next one.
+        load_piece = self._rlx_vocab_rows_loader(stats) if self._rlx_in_place else None
         if self._rlx_links[0].transport == "shm":
-            stream = receive_shared(groups, self._rlx_slots, self._rlx_plans, stats, copy_out=not self._rlx_in_place)
+            stream = receive_shared(groups, self._rlx_slots, self._rlx_plans, stats, copy_out=not self._rlx_in_place,
+                                    load_piece=load_piece)
         else:
-            stream = receive_buckets(groups, self._rlx_plans, self.device, stats, reuse_buffers=self._rlx_in_place)
+            stream = receive_buckets(groups, self._rlx_plans, self.device, stats, reuse_buffers=self._rlx_in_place,
+                                     load_piece=load_piece)
         try:
             with PeakRss() as peak:
                 if self._rlx_in_place:
@@ -168,6 +171,31 @@ class WeightSyncWorkerExtension:
         stats["total_s"] = time.perf_counter() - t0
         stats["load_s"] = stats["total_s"] - stats["recv_wait_s"]
         return stats
+
+    def _rlx_vocab_rows_loader(self, stats: dict):
+        """For an in-place load: a ``load_piece`` that copies the row pieces of a split embedding or
+        lm_head (usually the largest tensors, split when larger than a bucket) straight into this
+        worker's vocabulary shard, as vLLM's VocabParallelEmbedding.weight_loader would from the whole
+        tensor, so they are never assembled whole. Other split tensors return False (assembled).
+        Counts the pieces it took in ``stats["pieces_loaded_directly"]``."""
+        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+        vocab = {f"{name}.weight": m for name, m in self.model_runner.get_model().named_modules()
+                 if isinstance(m, VocabParallelEmbedding) and m.weight.numel() > 0}
+        stats["pieces_loaded_directly"] = 0
+
+        def load_piece(spec, view) -> bool:
+            module = vocab.get(spec.name)
+            if module is None:
+                return False
+            start, end = module.shard_indices.org_vocab_start_index, module.shard_indices.org_vocab_end_index
+            a, b = max(spec.rows[0], start), min(spec.rows[1], end)
+            if a < b:
+                module.weight.data[a - start:b - start].copy_(view[a - spec.rows[0]:b - spec.rows[0]])
+            stats["pieces_loaded_directly"] += 1
+            return True
+
+        return load_piece
 
     def _rlx_after_reload(self) -> None:
         from vllm.platforms import current_platform

