@@ -441,21 +441,26 @@ def receive_buckets(groups: list[WeightSyncGroup], plans: list[list[Bucket]], de
 
     for s in range(len(plans)):
         post(s)
-    active = [s for s in range(len(plans)) if posted[s] is not None]
-    while active:
-        for s in list(active):
-            bucket, buf, work = posted[s]
-            t = time.perf_counter()
-            work.wait()
-            stats["recv_wait_s"] += time.perf_counter() - t
-            post(s)
-            if posted[s] is None:
-                active.remove(s)
-            stats["bytes"] += buf.numel() * buf.element_size()
-            stats["buckets"] += 1
-            stats["tensors"] += sum(spec.is_last_piece for spec in bucket.tensors)
-            yield from assemble(unpack(bucket, buf))
-            del buf
+    for s in _in_turns(posted):
+        bucket, buf, work = posted[s]
+        t = time.perf_counter()
+        work.wait()
+        stats["recv_wait_s"] += time.perf_counter() - t
+        post(s)  # the stage's next bucket arrives while this one is consumed
+        stats["bytes"] += buf.numel() * buf.element_size()
+        stats["buckets"] += 1
+        stats["tensors"] += sum(spec.is_last_piece for spec in bucket.tensors)
+        yield from assemble(unpack(bucket, buf))
+        del buf
+
+
+def _in_turns(posted: list) -> Iterator[int]:
+    """The stages whose next bucket is posted (``posted[s]`` not None), in turns, until none is: the
+    caller consumes stage s's bucket and re-posts or clears ``posted[s]`` before asking for the next."""
+    while any(p is not None for p in posted):
+        for s in range(len(posted)):
+            if posted[s] is not None:
+                yield s
 
 
 def write_buckets(group: WeightSyncGroup, slots: SharedSlots, plan: list[Bucket],
@@ -541,22 +546,18 @@ def receive_shared(groups: list[WeightSyncGroup], slots: list[SharedSlots], plan
 
     for s in range(len(plans)):
         post(s)
-    active = [s for s in range(len(plans)) if posted[s] is not None]
-    while active:
-        for s in list(active):
-            k, bucket, ready = posted[s]
-            t = time.perf_counter()
-            ready.wait()
-            stats["recv_wait_s"] += time.perf_counter() - t
-            flat = slots[s].view(k, bucket)
-            yield from assemble(unpack(bucket, flat))
-            signals.append(groups[s].signal())  # done: the slot may take bucket k + 2
-            stats["bytes"] += flat.numel() * flat.element_size()
-            stats["buckets"] += 1
-            stats["tensors"] += sum(spec.is_last_piece for spec in bucket.tensors)
-            post(s)
-            if posted[s] is None:
-                active.remove(s)
+    for s in _in_turns(posted):
+        k, bucket, ready = posted[s]
+        t = time.perf_counter()
+        ready.wait()
+        stats["recv_wait_s"] += time.perf_counter() - t
+        flat = slots[s].view(k, bucket)
+        yield from assemble(unpack(bucket, flat))
+        signals.append(groups[s].signal())  # done: the slot may take bucket k + 2
+        stats["bytes"] += flat.numel() * flat.element_size()
+        stats["buckets"] += 1
+        stats["tensors"] += sum(spec.is_last_piece for spec in bucket.tensors)
+        post(s)  # only now: every member posts ready and done of one group in the same order
     for work in signals:
         work.wait()
 
