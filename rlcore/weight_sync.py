@@ -352,11 +352,26 @@ def send_buckets(group: WeightSyncGroup, plan: list[Bucket], tensors: Iterator[t
     with PeakRss() as peak:
         buffers = {d: [torch.empty(n, dtype=DTYPES[d], device=device) for _ in range(2)] for d, n in sizes.items()}
         _send_loop(group, plan, tensors, buffers, stats, sums if with_checksums else None, clock)
+    return _finish_sending(stats, peak, tensors, sums if with_checksums else None)
+
+
+def _next_for(items: Iterator[tuple[str, object]], spec: TensorSpec) -> tuple[str, object]:
+    """The model's next (HF name, tensor or writer), which must be the plan's ``spec``."""
+    item = next(items, None)
+    if item is None:
+        raise RuntimeError(f"weight sync: the model ran out of tensors before {spec.name!r} of the plan")
+    if item[0] != spec.name:
+        raise RuntimeError(f"weight sync: the model yields {item[0]!r} where the plan has {spec.name!r}")
+    return item
+
+
+def _finish_sending(stats: dict, peak: PeakRss, items: Iterator, sums: dict | None) -> dict:
+    """A sender's stats once its plan is done: the model must have nothing left to send."""
     stats["peak_extra_bytes"] = peak.extra_bytes
-    leftover = next(tensors, None)
+    leftover = next(items, None)
     if leftover is not None:
         raise RuntimeError(f"weight sync: the model yields {leftover[0]!r}, which the plan lacks")
-    if with_checksums:
+    if sums is not None:
         stats["checksums"] = sums
     return stats
 
@@ -374,13 +389,8 @@ def _send_loop(group, plan, tensors, buffers, stats, sums, clock) -> None:
         for spec in bucket.tensors:
             if spec.rows is None or spec.rows[0] == 0:  # a new tensor (not the next piece of one)
                 t = clock()
-                item = next(tensors, None)
+                name, tensor = _next_for(tensors, spec)
                 stats["gather_s"] += clock() - t
-                if item is None:
-                    raise RuntimeError(f"weight sync: the model ran out of tensors before {spec.name!r} of the plan")
-                name, tensor = item
-                if name != spec.name:
-                    raise RuntimeError(f"weight sync: the model yields {name!r} where the plan has {spec.name!r}")
                 if tuple(tensor.shape) != spec.shape:
                     raise ValueError(f"weight sync: {name} has shape {tuple(tensor.shape)}, the plan says {spec.shape}")
                 if sums is not None:
@@ -492,12 +502,7 @@ def write_buckets(group: WeightSyncGroup, slots: SharedSlots, plan: list[Bucket]
             t = clock()
             for spec in bucket.tensors:
                 if spec.rows is None or spec.rows[0] == 0:  # a new tensor (not the next piece of one)
-                    item = next(writes, None)
-                    if item is None:
-                        raise RuntimeError(f"weight sync: the model ran out of tensors before {spec.name!r} of the plan")
-                    name, write = item
-                    if name != spec.name:
-                        raise RuntimeError(f"weight sync: the model yields {name!r} where the plan has {spec.name!r}")
+                    name, write = _next_for(writes, spec)
                 write(flat[off:off + spec.numel].view(spec.piece_shape), spec.rows)
                 off += spec.numel
             stats["pack_s"] += clock() - t
@@ -514,13 +519,7 @@ def write_buckets(group: WeightSyncGroup, slots: SharedSlots, plan: list[Bucket]
         for work in signals:
             work.wait()
         stats["send_wait_s"] += clock() - t
-    stats["peak_extra_bytes"] = peak.extra_bytes
-    leftover = next(writes, None)
-    if leftover is not None:
-        raise RuntimeError(f"weight sync: the model yields {leftover[0]!r}, which the plan lacks")
-    if with_checksums:
-        stats["checksums"] = sums
-    return stats
+    return _finish_sending(stats, peak, writes, sums if with_checksums else None)
 
 
 def receive_shared(groups: list[WeightSyncGroup], slots: list[SharedSlots], plans: list[list[Bucket]],
