@@ -355,6 +355,13 @@ def send_buckets(group: WeightSyncGroup, plan: list[Bucket], tensors: Iterator[t
     return _finish_sending(stats, peak, tensors, sums if with_checksums else None)
 
 
+def _timed_wait(work, stats: dict, key: str) -> None:
+    """``work.wait()``, its seconds added to ``stats[key]``."""
+    t = time.perf_counter()
+    work.wait()
+    stats[key] += time.perf_counter() - t
+
+
 def _next_for(items: Iterator[tuple[str, object]], spec: TensorSpec) -> tuple[str, object]:
     """The model's next (HF name, tensor or writer), which must be the plan's ``spec``."""
     item = next(items, None)
@@ -381,9 +388,7 @@ def _send_loop(group, plan, tensors, buffers, stats, sums, clock) -> None:
     for k, bucket in enumerate(plan):
         slot = k % 2
         if in_flight[slot] is not None:  # bucket k-2 used this buffer
-            t = clock()
-            in_flight[slot].wait()
-            stats["send_wait_s"] += clock() - t
+            _timed_wait(in_flight[slot], stats, "send_wait_s")
         flat = buffers[bucket.dtype][slot][:bucket.numel]
         off = 0
         for spec in bucket.tensors:
@@ -453,9 +458,7 @@ def receive_buckets(groups: list[WeightSyncGroup], plans: list[list[Bucket]], de
         post(s)
     for s in _in_turns(posted):
         bucket, buf, work = posted[s]
-        t = time.perf_counter()
-        work.wait()
-        stats["recv_wait_s"] += time.perf_counter() - t
+        _timed_wait(work, stats, "recv_wait_s")
         post(s)  # the stage's next bucket arrives while this one is consumed
         stats["bytes"] += buf.numel() * buf.element_size()
         stats["buckets"] += 1
@@ -494,9 +497,7 @@ def write_buckets(group: WeightSyncGroup, slots: SharedSlots, plan: list[Bucket]
     with PeakRss() as peak:
         for k, bucket in enumerate(plan):
             if done[k % 2] is not None:
-                t = clock()
-                done[k % 2].wait()
-                stats["send_wait_s"] += clock() - t
+                _timed_wait(done[k % 2], stats, "send_wait_s")
             flat = slots.view(k, bucket)
             off = 0
             t = clock()
@@ -547,9 +548,7 @@ def receive_shared(groups: list[WeightSyncGroup], slots: list[SharedSlots], plan
         post(s)
     for s in _in_turns(posted):
         k, bucket, ready = posted[s]
-        t = time.perf_counter()
-        ready.wait()
-        stats["recv_wait_s"] += time.perf_counter() - t
+        _timed_wait(ready, stats, "recv_wait_s")
         flat = slots[s].view(k, bucket)
         yield from assemble(unpack(bucket, flat))
         signals.append(groups[s].signal())  # done: the slot may take bucket k + 2
