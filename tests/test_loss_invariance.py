@@ -16,6 +16,7 @@ import torch
 
 from rlcore.algos import AGG_MODES, LossConfig, actor_loss, loss_weights
 from rlcore.batch import Batch
+from tests.batches import right_padded_rows
 
 ROWS, SEQ, FEATURES = 8, 7, 5
 CFG = LossConfig(policy_loss="vanilla", clip_ratio_high=0.28, kl_coeff=0.1, kl_estimator="k3", entropy_coeff=0.01)
@@ -90,13 +91,7 @@ def placement(ray_pools):
 def _megatron_batch(vocab: int = 16, seed: int = 0) -> Batch:
     """Prompts of 3-6 tokens, responses of very uneven length, right padding; seq-mean-token-mean weights."""
     g = torch.Generator().manual_seed(seed)
-    input_ids = torch.zeros(MEGATRON_BATCH, MEGATRON_SEQ, dtype=torch.int64)
-    mask = torch.zeros(MEGATRON_BATCH, MEGATRON_SEQ)
-    for i in range(MEGATRON_BATCH):
-        prompt = int(torch.randint(3, 7, (), generator=g))
-        length = int(torch.randint(prompt + 1, MEGATRON_SEQ + 1, (), generator=g))
-        input_ids[i, :length] = torch.randint(3, vocab, (length,), generator=g)
-        mask[i, prompt:length] = 1
+    input_ids, mask = right_padded_rows(g, MEGATRON_BATCH, MEGATRON_SEQ, vocab, min_response=1)
     return Batch(input_ids=input_ids, attention_mask=(input_ids != 0).long(), response_mask=mask,
                  advantages=torch.randn(MEGATRON_BATCH, 1, generator=g) * mask,
                  loss_weights=loss_weights(mask, "seq-mean-token-mean", MEGATRON_SEQ))

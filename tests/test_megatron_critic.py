@@ -22,6 +22,7 @@ from megatron_workers.value_head import critic_hf_config
 from rlcore.algos import CriticLossConfig, critic_loss, loss_weights
 from rlcore.batch import Batch
 from rlcore.config import OptimConfig
+from tests.batches import right_padded_rows
 
 pytestmark = pytest.mark.slow
 
@@ -49,13 +50,7 @@ def critic_batch(vocab: int = 16, seed: int = 0) -> Batch:
     """Right-padded prompt+response rows; each row's return is +-1 by the parity of its first token
     (which every later position sees), on response tokens only."""
     g = torch.Generator().manual_seed(seed)
-    input_ids = torch.zeros(BATCH, SEQ, dtype=torch.int64)
-    response_mask = torch.zeros(BATCH, SEQ)
-    for i in range(BATCH):
-        prompt = int(torch.randint(3, 7, (), generator=g))
-        length = int(torch.randint(prompt + 2, SEQ + 1, (), generator=g))
-        input_ids[i, :length] = torch.randint(3, vocab, (length,), generator=g)
-        response_mask[i, prompt:length] = 1
+    input_ids, response_mask = right_padded_rows(g, BATCH, SEQ, vocab, min_response=2)
     sign = (input_ids[:, :1] % 2) * 2.0 - 1.0
     return Batch(input_ids=input_ids, response_mask=response_mask, returns=sign * response_mask,
                  loss_weights=loss_weights(response_mask, "token-mean", SEQ))

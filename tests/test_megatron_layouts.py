@@ -18,6 +18,7 @@ from megatron_workers.group import MegatronGroup
 from rlcore.algos import LossConfig, actor_loss, loss_weights
 from rlcore.batch import Batch
 from rlcore.config import OptimConfig
+from tests.batches import right_padded_rows
 
 BATCH, SEQ, MICRO_BATCH = 8, 20, 2  # 4 micro-batches in one process, 2 per rank under DP2
 LOSS = LossConfig(entropy_coeff=0.01)
@@ -39,18 +40,11 @@ def model_path(tmp_path_factory):
     return make_tiny_model(str(tmp_path_factory.mktemp("qwen2-tied")), arch="qwen2", tie_word_embeddings=True)
 
 
-def right_padded_batch(vocab: int = 16, pad_id: int = 0, seed: int = 0) -> Batch:
+def right_padded_batch(vocab: int = 16, seed: int = 0) -> Batch:
     """Prompts of 3-6 tokens, responses up to the end of a random length, right padding after it."""
     g = torch.Generator().manual_seed(seed)
-    input_ids = torch.full((BATCH, SEQ), pad_id, dtype=torch.int64)
-    attention_mask = torch.zeros(BATCH, SEQ, dtype=torch.int64)
-    response_mask = torch.zeros(BATCH, SEQ)
-    for i in range(BATCH):
-        prompt = int(torch.randint(3, 7, (), generator=g))
-        length = int(torch.randint(prompt + 2, SEQ + 1, (), generator=g))
-        input_ids[i, :length] = torch.randint(3, vocab, (length,), generator=g)
-        attention_mask[i, :length] = 1
-        response_mask[i, prompt:length] = 1
+    input_ids, response_mask = right_padded_rows(g, BATCH, SEQ, vocab, min_response=2)
+    attention_mask = (input_ids != 0).long()
     return Batch(input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
                  advantages=torch.randn(BATCH, SEQ, generator=g) * response_mask,
                  loss_weights=loss_weights(response_mask, "token-mean", SEQ))
