@@ -57,14 +57,14 @@ def run_bench(spec: str, overrides: list[str], steps: int, warmup: int) -> dict:
     import ray
 
     from rlcore.job import load_job, validate
-    from rlcore.trainer import Trainer
+    from launch.compose import build_trainer
 
     cfg = load_job(spec, overrides)
     cfg.trainer.val_every = 0
     cfg.trainer.run_dir = cfg.trainer.run_dir.rstrip("/") + "-bench"
     layout = validate(cfg)
     t0 = time.perf_counter()
-    trainer = Trainer(cfg, layout)
+    trainer = build_trainer(cfg, layout)
     startup_s = time.perf_counter() - t0
     try:
         counter = TokenCounter(trainer)

@@ -149,6 +149,7 @@ def main(argv=None) -> None:
     import ray
 
     from megatron_workers import MegatronGroup
+    from rlcore.roles import RoleSpec
     from rlcore.config import RolloutConfig
     from rlcore.placement import ResourcePools, start_ray
     from rlcore.weight_sync import connect_weight_sync
@@ -173,8 +174,8 @@ def main(argv=None) -> None:
         for actor_name in [a for a in ACTOR_LAYOUTS if a in actors_needed]:
             tp, pp, dp = ACTOR_LAYOUTS[actor_name]
             t0 = time.perf_counter()
-            actor = MegatronGroup("reference", model, tp, pp, dp, resources.placement("actor"), 1, "cpu",
-                                  "float32", None, seed=0)
+            actor = MegatronGroup(RoleSpec("reference", model, tp=tp, pp=pp, dp=dp, micro_batch_size=1,
+                                           profile="cpu", dtype="float32", seed=0), resources.placement("actor"))
             print(f"[{actor_name}] actor up in {time.perf_counter() - t0:.0f} s", flush=True)
             try:
                 for rollout_name, prepack in [(r, p) for a, r in pairs if a == actor_name for p in prepacks]:

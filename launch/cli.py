@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "validate":
         return 0
 
-    from rlcore.trainer import SamplingError, run
+    from launch.compose import run
+    from rlcore.trainer import SamplingError
 
     os.makedirs(cfg.trainer.run_dir, exist_ok=True)
     # The resolved spec next to the metrics: what actually ran, overrides included.

@@ -21,6 +21,7 @@ import sys
 
 WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack)$|.*\.safetensors\.index\.json$|.*\.bin\.index\.json$")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+ROLE_HEADS = {"actor": "lm", "critic": "value"}  # the trainable roles a checkpoint holds, and their heads
 
 
 class ExportError(Exception):
@@ -79,24 +80,23 @@ def write_safetensors(tensors: dict, out: str, max_shard_bytes: int) -> list[str
 
 
 def _gather_role_weights(role_dir: str, role: str, model_path: str, cfg) -> dict:
-    """Loads the role's distributed checkpoint into a TP1 PP1 model in this process and returns its
-    full HF-named tensors."""
+    """Loads the role's distributed checkpoint into a forward-only TP1 PP1 engine of the role's head
+    in this process and returns its full HF-named tensors."""
     import torch
     import torch.distributed as dist
 
-    from megatron_workers.worker import MegatronWorker, free_port
+    from megatron_workers.engine import MegatronEngine, free_port
+    from rlcore.roles import RoleSpec
 
     profile = "gpu" if torch.cuda.is_available() else "cpu"
     dtype = "float32" if profile == "cpu" else "bfloat16"
-    # The actor is exported through a forward-only worker (no optimizer to build); the critic role
-    # is what builds the value head.
-    worker_role = "reference" if role == "actor" else role
-    optim = cfg.critic.optim if role == "critic" else None
-    worker = MegatronWorker(worker_role, model_path, 1, 1, 1, 0, 1, profile, dtype, optim, cfg.trainer.seed)
-    worker.init("127.0.0.1", free_port())
+    spec = RoleSpec(role, model_path, tp=1, pp=1, dp=1, micro_batch_size=1, profile=profile, dtype=dtype,
+                    seed=cfg.trainer.seed, head=ROLE_HEADS[role])
+    engine = MegatronEngine(spec, rank=0)
+    engine.init("127.0.0.1", free_port())
     try:
-        worker.load_checkpoint(role_dir, with_optimizer=False)
-        return worker.hf_state_dict()
+        engine.load_checkpoint(role_dir, with_optimizer=False)
+        return engine.hf_state_dict()
     finally:
         from megatron.core import parallel_state
 
@@ -147,10 +147,9 @@ def export_hf(checkpoint: str, out: str, role: str = "actor", max_shard_bytes: i
         if os.path.isfile(src) and name != "config.json" and not WEIGHT_FILE.match(name):
             shutil.copy2(src, os.path.join(out, name))
             written.append(name)
-    if role == "critic":
-        from megatron_workers.value_head import critic_hf_config
+    from megatron_workers.heads import get_head
 
-        hf_config = critic_hf_config(hf_config)
+    hf_config = get_head(ROLE_HEADS[role]).hf_config(hf_config)
     hf_config["torch_dtype"] = dtype
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
@@ -163,7 +162,7 @@ def add_export_parser(sub) -> None:
     p.add_argument("checkpoint", help="a step_N checkpoint folder, or a checkpoint_dir (its latest)")
     p.add_argument("--to", required=True, choices=["hf"], help="the output format")
     p.add_argument("out", help="the output folder (new or empty)")
-    p.add_argument("--role", default="actor", choices=["actor", "critic"], help="which model to export")
+    p.add_argument("--role", default="actor", choices=sorted(ROLE_HEADS), help="which model to export")
     p.add_argument("--max-shard-size", default="2GB", help="largest safetensors file (default 2GB)")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="weights dtype (default: the torch_dtype of the job's model config.json)")

@@ -1,42 +1,41 @@
-"""The driver's handle on one Megatron role: TP x PP x DP ranks, each a ``MegatronWorker`` in a Ray actor
-(each PP rank holding ``vpp`` model chunks with virtual pipeline stages).
+"""The driver's handle on one Megatron role: TP x PP x DP ranks, each a ``MegatronEngine`` in a Ray
+actor (each PP rank holding ``vpp`` model chunks with virtual pipeline stages).
 
-Rank order is megatron's default (tp-cp-ep-dp-pp: TP fastest, then DP, then PP); the group does not
-rely on it, it asks each rank for its coordinates after ``init``.
+The group shards a batch over DP, runs the same call on every rank and collects the results from
+the last PP stage's TP rank 0 of each DP replica. It implements ``rlcore.roles.ForwardRole`` and,
+when its spec has an optimizer, ``TrainableRole``. Rank order is megatron's default (tp-cp-ep-dp-pp:
+TP fastest, then DP, then PP); the group does not rely on it, it asks each rank for its coordinates
+after ``init``.
 """
 from __future__ import annotations
 
 import torch
 
 from rlcore.batch import Batch
-from rlcore.config import OptimConfig
 from rlcore.placement import RolePlacement
+from rlcore.roles import RoleSpec
 
-from .worker import MegatronWorker
+from .engine import MegatronEngine
+from .heads import get_head
 
 
 class MegatronGroup:
-    def __init__(self, role: str, model_path: str, tp: int, pp: int, dp: int, placement: RolePlacement,
-                 micro_batch_size: int, profile: str, dtype: str, optim: OptimConfig | None, seed: int,
-                 vpp: int = 1):
+    def __init__(self, spec: RoleSpec, placement: RolePlacement):
         import ray
 
-        if min(tp, pp, dp) < 1:
-            raise ValueError(f"{role}: TP, PP and DP must be >= 1, got TP={tp} PP={pp} DP={dp}")
-        if vpp < 1 or (vpp > 1 and pp == 1):
-            raise ValueError(f"{role}: vpp={vpp} must be >= 1, and vpp > 1 needs pp > 1 (got pp={pp})")
-        world = tp * pp * dp
-        if len(placement.bundle_indices) < world:
-            raise ValueError(f"{role}: TP x PP x DP = {world} ranks, but pool {placement.pool!r} has "
+        if min(spec.tp, spec.pp, spec.dp) < 1:
+            raise ValueError(f"{spec.name}: TP, PP and DP must be >= 1, got TP={spec.tp} PP={spec.pp} DP={spec.dp}")
+        if spec.vpp < 1 or (spec.vpp > 1 and spec.pp == 1):
+            raise ValueError(f"{spec.name}: vpp={spec.vpp} must be >= 1, and vpp > 1 needs pp > 1 (got pp={spec.pp})")
+        if len(placement.bundle_indices) < spec.world_size:
+            raise ValueError(f"{spec.name}: TP x PP x DP = {spec.world_size} ranks, but pool {placement.pool!r} has "
                              f"{len(placement.bundle_indices)} GPUs")
-        self.role, self.tp, self.pp, self.dp, self.vpp = role, tp, pp, dp, vpp
-        self.profile = profile
-        worker_cls = ray.remote(MegatronWorker)
-        self.workers = [
-            worker_cls.options(**placement.actor_options(i)).remote(
-                role, model_path, tp, pp, dp, i, micro_batch_size, profile, dtype, optim, seed, vpp)
-            for i in range(world)
-        ]
+        self.spec, self.head = spec, get_head(spec.head)
+        self.role, self.tp, self.pp, self.dp, self.vpp = spec.name, spec.tp, spec.pp, spec.dp, spec.vpp
+        self.profile = spec.profile
+        engine_cls = ray.remote(MegatronEngine)
+        self.workers = [engine_cls.options(**placement.actor_options(i)).remote(spec, i)
+                        for i in range(spec.world_size)]
         try:
             master_addr, master_port = ray.get(self.workers[0].node_ip_and_free_port.remote())
             # initialize_model_parallel is collective: every rank must be inside init at once.
@@ -47,10 +46,10 @@ class MegatronGroup:
         # Where results come from: the last PP stage's TP rank 0 of each DP replica; and each PP
         # stage's weight sender (DP rank 0, TP rank 0).
         self._reporter = {c["dp_rank"]: i for i, c in enumerate(coords)
-                          if c["pp_rank"] == pp - 1 and c["tp_rank"] == 0}
+                          if c["pp_rank"] == spec.pp - 1 and c["tp_rank"] == 0}
         self._senders = [next(i for i, c in enumerate(coords)
                               if c["pp_rank"] == s and c["dp_rank"] == 0 and c["tp_rank"] == 0)
-                         for s in range(pp)]
+                         for s in range(spec.pp)]
         self._dp_rank = [c["dp_rank"] for c in coords]
         self._coords = coords
         self._weight_sync_ready = False
@@ -66,52 +65,23 @@ class MegatronGroup:
                            for w, d in zip(self.workers, self._dp_rank)])
         return [results[self._reporter[d]] for d in range(self.dp)]
 
-    def compute_logprobs_and_entropy(self, batch: Batch, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token-aligned [B, S] log-probs and entropies of ``batch["input_ids"]`` (forward only)."""
-        if self.role == "critic":
-            raise RuntimeError("the critic has a value head, not a vocabulary: use compute_values")
-        parts = self._run_sharded("compute_logprobs", batch.select("input_ids"), temperature)
-        return torch.cat([p["logprobs"] for p in parts]), torch.cat([p["entropy"] for p in parts])
+    def forward(self, batch: Batch, **head_args) -> dict[str, torch.Tensor]:
+        """The head's token-aligned [B, S] outputs for ``batch`` (forward only; position 0 holds 0):
+        ``logprobs`` and ``entropy`` of ``input_ids`` for the LM head (``temperature=``), ``values``
+        for the value head (``values[:, t]``: the value of the state before token t)."""
+        parts = self._run_sharded("forward", batch.select(*self.head.forward_keys), head_args)
+        return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
-    def compute_logprobs(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
-        """Token-aligned [B, S] log-probs of ``batch["input_ids"]`` (position 0 holds 0)."""
-        return self.compute_logprobs_and_entropy(batch, temperature)[0]
-
-    def update(self, batch: Batch, loss_cfg, temperature: float = 1.0) -> dict[str, float]:
-        """One optimizer step on ``batch`` (all of it: the group shards it over DP) with
-        ``rlcore.algos.actor_loss``. Returns the metrics summed over micro-batches and DP ranks (the
-        global token-means), ``actor/loss`` and ``actor/grad_norm``.
-
-        For the critic ``loss_cfg`` is a ``rlcore.algos.CriticLossConfig`` and the loss is
-        ``rlcore.algos.critic_loss``: ``critic/vf_loss``, ``critic/vf_clipfrac``, ``critic/vpred_mean``,
-        ``critic/loss`` and ``critic/grad_norm``."""
-        if self.role == "critic":
-            return self._update_critic(batch, loss_cfg)
-        if float(batch["response_mask"].sum()) <= 0:
-            raise ValueError(f"{self.role} update: the batch has no response tokens (response_mask is all 0)")
-        if "loss_weights" not in batch:
-            raise ValueError(f"{self.role} update: the batch has no 'loss_weights' (set batch['loss_weights'] = "
-                             "rlcore.algos.loss_weights(response_mask, loss_agg_mode, max_response_length) on the "
-                             "whole mini-batch before the update)")
-        parts = self._run_sharded("update", batch, loss_cfg, temperature)
+    def update(self, batch: Batch, loss_cfg, **head_args) -> dict[str, float]:
+        """One optimizer step on ``batch`` (all of it: the group shards it over DP) with the head's
+        loss. Returns the metrics summed over micro-batches and DP ranks (the global aggregates),
+        ``<role>/loss`` and ``<role>/grad_norm``."""
+        self.head.check_update(batch, self.role)
+        if self.head.train_keys is not None:  # only what the loss reads travels to the workers
+            batch = batch.select(*self.head.train_keys)
+        parts = self._run_sharded("update", batch, loss_cfg, head_args)
         metrics = {k: sum(p["sums"][k] for p in parts) for k in parts[0]["sums"]}
-        metrics["actor/grad_norm"] = parts[0]["grad_norm"]  # the global norm: the same on every rank
-        return metrics
-
-    # ------------------------------------------------------------------------------------- critic
-    def compute_values(self, batch: Batch) -> torch.Tensor:
-        """The critic's token-aligned [B, S] values of ``batch["input_ids"]`` (forward only):
-        ``values[:, t]`` is the value of the state before token t; position 0 holds 0."""
-        if self.role != "critic":
-            raise RuntimeError(f"compute_values needs the critic; this group is the {self.role}")
-        return torch.cat(self._run_sharded("compute_values", batch.select("input_ids")))
-
-    def _update_critic(self, batch: Batch, loss_cfg) -> dict[str, float]:
-        # Only what critic_loss reads travels to the workers.
-        needed = batch.select("input_ids", "response_mask", "returns", "old_values", "loss_weights")
-        parts = self._run_sharded("update_values", needed, loss_cfg)
-        metrics = {k: sum(p["sums"][k] for p in parts) for k in parts[0]["sums"]}
-        metrics["critic/grad_norm"] = parts[0]["grad_norm"]  # the global norm: the same on every rank
+        metrics[f"{self.role}/grad_norm"] = parts[0]["grad_norm"]  # the global norm: the same on every rank
         return metrics
 
     # ------------------------------------------------------------------------------- checkpoints

@@ -12,6 +12,8 @@ Conventions (every role relies on them):
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -47,9 +49,6 @@ class Batch(dict):
         return Batch({k: torch.cat([p[k] for p in parts]) for k in parts[0]})
 
 
-from dataclasses import dataclass  # noqa: E402
-
-
 @dataclass
 class Trajectory:
     """One sampled response, as the rollout engine returns it."""
@@ -60,3 +59,21 @@ class Trajectory:
     response_logprobs: list[float]  # the engine's log-prob of each response token
     finish_reason: str  # "stop" (EOS or a stop token) or "length"
     weight_version: int  # the weight-sync version of the weights that sampled it
+
+
+def build_batch(trajs: list[Trajectory], pad_id: int) -> Batch:
+    """Right-padded prompt+response tokens with token-aligned masks and engine log-probs."""
+    seq_len = max(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
+    n = len(trajs)
+    input_ids = torch.full((n, seq_len), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, seq_len), dtype=torch.long)
+    response_mask = torch.zeros((n, seq_len))
+    rollout_logprobs = torch.zeros((n, seq_len))
+    for i, t in enumerate(trajs):
+        p, r = len(t.prompt_ids), len(t.response_ids)
+        input_ids[i, :p + r] = torch.tensor(t.prompt_ids + t.response_ids)
+        attention_mask[i, :p + r] = 1
+        response_mask[i, p:p + r] = 1.0
+        rollout_logprobs[i, p:p + r] = torch.tensor(t.response_logprobs)
+    return Batch(input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
+                 rollout_logprobs=rollout_logprobs)

@@ -41,8 +41,6 @@ RNG = "rng.pt"
 JOB = "job.yaml"
 TMP_PREFIX = ".tmp-"
 FORMAT_VERSION = 1
-CHECKPOINT_ROLES = ("actor", "critic")  # the roles that train: their model + optimizer are saved
-KL_CONTROLLER_ATTRS = ("kl_ctrl", "kl_controller")  # where a trainer may keep an adaptive KL controller
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -166,7 +164,7 @@ def read_latest(checkpoint_dir: str) -> Optional[str]:
 
 def save_checkpoint(checkpoint_dir: str, step: int, roles: dict, controller: dict, job_yaml: str,
                     keep_last: int = 0, log: Callable[[str], None] = print) -> str:
-    """Writes the checkpoint of ``step``: each role's ``save_checkpoint(folder)`` (a ``MegatronGroup``),
+    """Writes the checkpoint of ``step``: each role's ``save_checkpoint(folder)`` (a ``TrainableRole``),
     the controller state and the job spec; then renames it into place, moves ``latest`` and prunes
     all but the newest ``keep_last`` checkpoints (0 keeps all). Returns the checkpoint's folder."""
     os.makedirs(checkpoint_dir, exist_ok=True)
@@ -213,37 +211,6 @@ def set_rng_states(states: dict) -> None:
     random.setstate(states["python"])
     np.random.set_state(states["numpy"])
     torch.set_rng_state(states["torch"])
-
-
-def controller_state(trainer, step: int) -> dict:
-    """What the controller must restore to continue exactly after ``step``."""
-    state = {"step": step, "weight_version": trainer.version, "loader": trainer.loader.state_dict()}
-    for attr in KL_CONTROLLER_ATTRS:
-        ctrl = getattr(trainer, attr, None)
-        if ctrl is not None:
-            state["kl_controller"] = {"attr": attr, **(ctrl.state_dict() if hasattr(ctrl, "state_dict")
-                                                       else {"value": float(ctrl.value)})}
-    return state
-
-
-def _restore_controller(trainer, state: dict) -> None:
-    trainer.version = int(state["weight_version"])
-    trainer.loader.load_state_dict(state["loader"])
-    kl = state.get("kl_controller")
-    if kl is not None:
-        ctrl = getattr(trainer, kl["attr"], None)
-        if ctrl is None:
-            raise CheckpointError(f"{CONTROLLER}: the checkpoint has a KL controller, the job has none")
-        values = {k: v for k, v in kl.items() if k != "attr"}
-        if hasattr(ctrl, "load_state_dict"):
-            ctrl.load_state_dict(values)
-        else:
-            ctrl.value = values["value"]
-
-
-def trainer_roles(trainer) -> dict:
-    """The trainer's roles whose weights and optimizer state a checkpoint holds."""
-    return {r: getattr(trainer, r) for r in CHECKPOINT_ROLES if getattr(trainer, r, None) is not None}
 
 
 def job_yaml(cfg) -> str:
@@ -336,48 +303,34 @@ def trim_metrics(run_dir: str, step: int) -> None:
         _write_atomic(path, "".join(kept))
 
 
-def resume(trainer, log: Callable[[str], None] = print) -> int:
-    """Resumes ``trainer`` per ``trainer.resume`` and returns the step it continues after (0: a fresh
-    start). Restores every trainable role (any TP/PP layout), the controller state and RNG states,
-    then pushes the restored actor weights to the rollout engines under the saved weight version."""
+def resume(cfg, roles: dict, log: Callable[[str], None] = print) -> Optional[dict]:
+    """Resumes per ``cfg.trainer.resume``: loads every trainable role of ``roles`` (name -> role with
+    ``load_checkpoint``; any TP/PP layout) and the controller's RNG states, drops the metrics lines of
+    the steps that will run again, and returns the saved controller state (the caller restores it and
+    pushes the restored weights to the engines). None: nothing to resume, a fresh start."""
     import torch
 
-    from rlcore.weight_sync import sync_weights
-
-    t = trainer.cfg.trainer
+    t = cfg.trainer
     found = find_resume_checkpoint(t.resume, checkpoint_dir_of(t), log)
     if found is None:
-        return 0
+        return None
     folder, state = found
-    roles = trainer_roles(trainer)
-    for role, group in roles.items():
-        role_dir = os.path.join(folder, role)
+    for name in roles:
+        role_dir = os.path.join(folder, name)
         if not os.path.isdir(role_dir):
             raise CheckpointError(f"{role_dir}: missing; the checkpoint holds the roles {state.get('roles')} "
                                   f"but this job trains {sorted(roles)}")
     with open(os.path.join(folder, JOB)) as f:
-        changes = _spec_changes(f.read(), trainer.cfg)
+        changes = _spec_changes(f.read(), cfg)
     if changes:
         log(f"checkpoint: the job spec differs from the one that saved {folder}: " + "; ".join(changes))
-    for role, group in roles.items():
-        group.load_checkpoint(os.path.join(folder, role))
-    _restore_controller(trainer, state)
+    for name, role in roles.items():
+        role.load_checkpoint(os.path.join(folder, name))
     set_rng_states(torch.load(os.path.join(folder, RNG), weights_only=False))
-    sync_weights(trainer.actor, trainer.rollout, trainer.version)
     step = int(state["step"])
     trim_metrics(t.run_dir, step)
-    log(f"checkpoint: resumed from {folder} (step {step}, weight version {trainer.version})")
-    return step
-
-
-def maybe_save(trainer, step: int, log: Callable[[str], None] = print) -> Optional[str]:
-    """Saves a checkpoint at the end of ``step`` when ``trainer.save_every`` divides it (or at the
-    last step)."""
-    t = trainer.cfg.trainer
-    if not t.save_every or (step % t.save_every and step != t.total_steps):
-        return None
-    return save_checkpoint(checkpoint_dir_of(t), step, trainer_roles(trainer), controller_state(trainer, step),
-                           job_yaml(trainer.cfg), t.keep_last, log)
+    log(f"checkpoint: resumed from {folder} (step {step}, weight version {state['weight_version']})")
+    return state
 
 
 def log_stderr(message: str) -> None:

@@ -228,3 +228,30 @@ def load_datasets(data_cfg, tokenizer) -> tuple[PromptDataset, PromptDataset | N
                              data_cfg.apply_chat_template)
 
     return load(data_cfg.train_files), (load(data_cfg.val_files) if data_cfg.val_files else None)
+
+
+@dataclass
+class Task:
+    """What a job trains on, loaded and checked before any role starts: the tokenizer (and its pad
+    id), the reward function, the training prompts as a resumable loader, the validation prompts."""
+    tokenizer: Any
+    pad_id: int
+    reward_fn: Any  # rlcore.reward.RewardFn
+    loader: PromptLoader
+    val_set: PromptDataset | None
+
+
+def load_task(cfg) -> Task:
+    """The job's ``Task``; a bad row, a dataset smaller than one batch or a reward function that cannot
+    be loaded fails here, before Ray starts."""
+    from transformers import AutoTokenizer
+
+    from rlcore.reward import load_reward_fn
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    # Padding sits right of every real token under a causal mask, so its id never matters.
+    pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
+    reward_fn = load_reward_fn(cfg.reward.function)
+    train, val = load_datasets(cfg.data, tokenizer)
+    loader = PromptLoader(train, cfg.data.batch_size, cfg.data.shuffle, cfg.trainer.seed)
+    return Task(tokenizer, pad_id, reward_fn, loader, val)

@@ -2,86 +2,62 @@
 
     prompts -> rollout pool (vLLM) -> trajectories -> rewards -> old/ref log-probs, values (Megatron)
             -> advantages (here, plain torch) -> critic and actor updates (Megatron) -> weight sync -> metrics
+
+The roles arrive built (``launch/compose.py`` is the composition root); the trainer knows them only
+as ``rlcore.roles`` protocols, and the task (tokenizer, datasets, reward function) as a ``Task``.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 
 import torch
 
-from rlcore.algos import (NEEDS_BASELINE_ROLLOUT, AdvantageInputs, CriticLossConfig, LossConfig, apply_kl_penalty,
-                          compute_advantages, explained_variance, groups_with_variance, kl_controller,
-                          last_token_rewards, loss_weights, overlong_penalty)
-from rlcore import checkpoint
-from rlcore.batch import Batch, Trajectory
+from rlcore import algos, checkpoint
+from rlcore.algos import (AdvantageInputs, CriticLossConfig, LossConfig, apply_kl_penalty, compute_advantages,
+                          explained_variance, groups_with_variance, kl_controller, last_token_rewards,
+                          loss_weights, overlong_penalty)
+from rlcore.batch import Batch, Trajectory, build_batch
 from rlcore.config import JobConfig
-from rlcore.data import PromptItem, PromptLoader, load_datasets
-from rlcore.job import JobLayout
+from rlcore.data import PromptItem, Task
 from rlcore.metrics import MetricsLogger, timer
-from rlcore.placement import ResourcePools, start_ray
-from rlcore.reward import RewardError, compute_rewards, load_reward_fn
-from rlcore.weight_sync import connect_weight_sync, sync_weights
+from rlcore.reward import RewardError, compute_rewards
+from rlcore.roles import Roles
+from rlcore.weight_sync import sync_weights
 
 
 class SamplingError(RuntimeError):
     """Dynamic sampling could not fill a batch: a property of the data and the policy, not a bug."""
 
 
+@dataclasses.dataclass
+class Samples:
+    """One step's sampled batch: the prompts, their rollout.n trajectories each (grouped by prompt,
+    in order), each trajectory's score and, for estimators that need one, the score of the greedy
+    response to its prompt."""
+    prompts: list[PromptItem]
+    trajs: list[Trajectory]
+    scores: torch.Tensor
+    baseline_scores: torch.Tensor | None = None
+
+
 class Trainer:
-    def __init__(self, cfg: JobConfig, layout: JobLayout):
-        from transformers import AutoTokenizer
-
-        from megatron_workers import MegatronGroup
-        from rollout import RolloutPool
-
-        self.cfg, self.layout = cfg, layout
-        checkpoint.seed_everything(cfg.trainer.seed)  # python, numpy, torch
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        # Padding sits right of every real token under a causal mask, so its id never matters.
-        self.pad_id = next(i for i in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0) if i is not None)
-        self.reward_fn = load_reward_fn(cfg.reward.function)
-        train, self.val_set = load_datasets(cfg.data, self.tokenizer)  # before Ray: bad rows fail fast
-        self.loader = PromptLoader(train, cfg.data.batch_size, cfg.data.shuffle, cfg.trainer.seed)
-        dtype = layout.dtype
-
-        start_ray(layout.device, layout.total_gpus, cfg.resources.ray_address, cfg.resources.num_cpus)
-        roles = {"actor": layout.actor.pool, "rollout": layout.rollout.pool}
-        if layout.reference:
-            roles["reference"] = layout.reference.pool
-        if layout.critic:
-            roles["critic"] = layout.critic.pool
-        self.pools = ResourcePools(cfg.resources.pools, roles)
-
-        def megatron_group(role, lay, micro_batch_size, optim, model_path=cfg.model.path):
-            return MegatronGroup(role, model_path, lay.tp, lay.pp, lay.dp, self.pools.placement(role),
-                                 micro_batch_size, layout.device, dtype, optim, cfg.trainer.seed, vpp=lay.vpp)
-
-        a = cfg.actor
-        self.actor = megatron_group("actor", layout.actor, a.micro_batch_size, a.optim)
-        self.reference = (megatron_group("reference", layout.reference,
-                                         cfg.reference.micro_batch_size or a.micro_batch_size, None)
-                          if layout.reference else None)
-        c = cfg.critic  # PPO's value model: only when the advantage estimator needs values
-        self.critic = (megatron_group("critic", layout.critic, c.micro_batch_size, c.optim,
-                                      c.model_path or cfg.model.path) if layout.critic else None)
-        self.critic_loss_cfg = CriticLossConfig(c.cliprange_value)
+    def __init__(self, cfg: JobConfig, task: Task, roles: Roles):
+        self.cfg, self.task, self.roles = cfg, task, roles
+        self.actor, self.reference, self.critic, self.rollout = roles.actor, roles.reference, roles.critic, roles.rollout
+        self.tokenizer, self.reward_fn, self.loader, self.val_set = task.tokenizer, task.reward_fn, task.loader, task.val_set
+        self.loss_cfg = LossConfig.from_config(cfg.actor)
+        self.critic_loss_cfg = CriticLossConfig(cfg.critic.cliprange_value)
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon) if cfg.algorithm.kl_in_reward else None
-        self.rollout = RolloutPool(cfg.model.path, cfg.rollout, self.pools.placement("rollout"),
-                                   layout.device, dtype, cfg.trainer.seed)
-        self.loss_cfg = LossConfig.from_config(a)
         self.version = 0  # the engines start from the same HF checkpoint as the actor
-        connect_weight_sync(self.actor, self.rollout, cfg.rollout.engines, cfg.rollout.bucket_mb * 1024 ** 2, dtype,
-                            cfg.rollout.weight_transport)
 
     # ------------------------------------------------------------------------------ the iteration
     def fit(self) -> list[dict]:
         t = self.cfg.trainer
         history = []
         # Before the logger opens metrics.jsonl: resuming drops the lines of steps it will redo.
-        start = checkpoint.resume(self)  # the step to continue after; 0 on a fresh start
+        start = self.resume()  # the step to continue after; 0 on a fresh start
         logger = MetricsLogger(t.run_dir, t.total_steps, t.tensorboard)
         try:
             if self.val_set is not None and t.val_every and start == 0:
@@ -92,7 +68,7 @@ class Trainer:
                     metrics.update(self.validate())
                 logger.log(step, metrics)
                 history.append(metrics)
-                checkpoint.maybe_save(self, step)
+                self.maybe_save(step)
         finally:
             logger.close()
         return history
@@ -101,37 +77,38 @@ class Trainer:
         cfg, m = self.cfg, {}
         temperature = cfg.rollout.temperature
         t0 = time.perf_counter()
-        prompts, trajs, scores = self.sample(step, m)  # timed inside: rollout and reward
-        batch = build_batch(trajs, self.pad_id)
+        s = self.sample(step, m)  # timed inside: rollout and reward
+        batch = build_batch(s.trajs, self.task.pad_id)
         with timer("logprob", m):
             batch["old_logprobs"] = (batch["rollout_logprobs"] if cfg.actor.use_rollout_logprobs
-                                     else self.actor.compute_logprobs(batch, temperature))
+                                     else self.actor.forward(batch, temperature=temperature)["logprobs"])
             if self.reference is not None:
-                batch["ref_logprobs"] = self.reference.compute_logprobs(batch, temperature)
+                batch["ref_logprobs"] = self.reference.forward(batch, temperature=temperature)["logprobs"]
         if self.critic is not None:
             with timer("values", m):
-                batch["values"] = self.critic.compute_values(batch)
+                batch["values"] = self.critic.forward(batch)["values"]
         with timer("advantages", m):
-            m.update(self.compute_advantages(batch, prompts, trajs, scores))
+            m.update(self.compute_advantages(batch, s))
         if self.critic is not None:
             with timer("critic_update", m):
                 batch["old_values"] = batch["values"]  # the anchor of the clipped value loss
                 m.update(self.train_role(self.critic, batch, self.critic_loss_cfg, "token-mean"))
         with timer("update", m):
-            m.update(self.train_role(self.actor, batch, self.loss_cfg, cfg.actor.loss_agg_mode, temperature))
+            m.update(self.train_role(self.actor, batch, self.loss_cfg, cfg.actor.loss_agg_mode,
+                                     temperature=temperature))
         with timer("weight_sync", m):
-            self.version += 1
-            sync_weights(self.actor, self.rollout, self.version, check=cfg.rollout.check_weights)
-        m.update(batch_metrics(batch, trajs, scores))
+            self.sync_weights(self.version + 1)
+        m.update(batch_metrics(batch, s.trajs, s.scores))
         m.update({"weights/version": float(self.version), "timing/step_s": time.perf_counter() - t0})
         return m
 
     # ---------------------------------------------------------------------------------- phases
-    def sample(self, step: int, m: dict) -> tuple[list[PromptItem], list[Trajectory], torch.Tensor]:
+    def sample(self, step: int, m: dict) -> Samples:
         """One batch of prompts, their rollout.n responses each and their scores.
 
         With DAPO's dynamic sampling, groups whose samples all scored the same (no group-relative
-        signal) are dropped and more prompts are drawn until data.batch_size groups are kept."""
+        signal) are dropped and more prompts are drawn until data.batch_size groups are kept. An
+        estimator that needs a baseline rollout (ReMax) gets the greedy response's score per prompt."""
         cfg, ds = self.cfg, self.cfg.algorithm.dynamic_sampling
         prompts: list[PromptItem] = []
         trajs: list[Trajectory] = []
@@ -149,7 +126,7 @@ class Trainer:
                 m.update(reward_metrics)
             new_scores = new_scores + self.shaping(new, m)
             if not ds.enable:
-                return drawn, new, new_scores
+                return self.with_baseline(Samples(drawn, new, new_scores), m)
             keep = groups_with_variance(new_scores, torch.tensor([t.prompt_index for t in new]))
             kept_prompts = sorted({t.prompt_index for t, k in zip(new, keep) if k})
             renumber = {old: len(prompts) + i for i, old in enumerate(kept_prompts)}
@@ -159,11 +136,23 @@ class Trainer:
             m["dynamic_sampling/gen_batches"] = float(draw)
             if len(prompts) >= cfg.data.batch_size:
                 n_keep = cfg.data.batch_size * cfg.rollout.n  # trajectories are grouped by prompt, in order
-                return prompts[:cfg.data.batch_size], trajs[:n_keep], torch.cat(scores)[:n_keep]
+                return self.with_baseline(Samples(prompts[:cfg.data.batch_size], trajs[:n_keep],
+                                                  torch.cat(scores)[:n_keep]), m)
         raise SamplingError(
             f"step {step}: dynamic sampling kept {len(prompts)} of the data.batch_size={cfg.data.batch_size} "
             f"prompts after algorithm.dynamic_sampling.max_gen_batches={ds.max_gen_batches} generation rounds "
             f"(the others' {cfg.rollout.n} samples all scored the same); raise max_gen_batches or rollout.n")
+
+    def with_baseline(self, s: Samples, m: dict) -> Samples:
+        """ReMax's baseline: the score of each prompt's greedy response, given to its samples."""
+        if self.cfg.algorithm.adv_estimator not in algos.NEEDS_BASELINE_ROLLOUT:
+            return s
+        with timer("baseline_rollout", m):
+            greedy = self.rollout.generate([p.prompt_ids for p in s.prompts], n=1, temperature=0.0, top_p=1.0,
+                                           top_k=-1, max_tokens=self.cfg.rollout.max_response_length)
+            greedy_scores = self.score(s.prompts, greedy)[0] + self.shaping(greedy, {})
+        m["reward/greedy_baseline_mean"] = greedy_scores.mean().item()
+        return dataclasses.replace(s, baseline_scores=greedy_scores[torch.tensor([t.prompt_index for t in s.trajs])])
 
     def shaping(self, trajs: list[Trajectory], m: dict) -> torch.Tensor:
         """Reward shaping added to the verifier's scores: DAPO's soft overlong punishment."""
@@ -175,25 +164,17 @@ class Trainer:
         m["reward/overlong_penalty_mean"] = penalty.mean().item()
         return penalty
 
-    def compute_advantages(self, batch: Batch, prompts: list[PromptItem], trajs: list[Trajectory],
-                           scores: torch.Tensor) -> dict[str, float]:
+    def compute_advantages(self, batch: Batch, s: Samples) -> dict[str, float]:
         """Token rewards (score on the last token, minus the in-reward KL), then advantages and returns."""
         alg, mask, m = self.cfg.algorithm, batch["response_mask"], {}
-        token_rewards = last_token_rewards(scores, mask)
+        token_rewards = last_token_rewards(s.scores, mask)
         if self.kl_ctrl is not None:
             token_rewards, kl = apply_kl_penalty(token_rewards, batch["old_logprobs"], batch["ref_logprobs"],
                                                  mask, self.kl_ctrl.value, alg.kl_penalty)
             m.update({"actor/reward_kl_penalty": kl, "actor/reward_kl_coef": self.kl_ctrl.value})
             self.kl_ctrl.update(kl, n_steps=batch.size)
-        baseline = None
-        if alg.adv_estimator in NEEDS_BASELINE_ROLLOUT:  # ReMax: the greedy response's score per prompt
-            greedy = self.rollout.generate([p.prompt_ids for p in prompts], n=1, temperature=0.0, top_p=1.0,
-                                           top_k=-1, max_tokens=self.cfg.rollout.max_response_length)
-            greedy_scores = self.score(prompts, greedy)[0] + self.shaping(greedy, {})
-            baseline = greedy_scores[torch.tensor([t.prompt_index for t in trajs])]
-            m["reward/greedy_baseline_mean"] = greedy_scores.mean().item()
-        inputs = AdvantageInputs(token_rewards, mask, torch.tensor([t.prompt_index for t in trajs]),
-                                 batch.get("values"), baseline)
+        inputs = AdvantageInputs(token_rewards, mask, torch.tensor([t.prompt_index for t in s.trajs]),
+                                 batch.get("values"), s.baseline_scores)
         batch["advantages"], batch["returns"] = compute_advantages(alg.adv_estimator, inputs, alg.gamma, alg.lam,
                                                                    alg.norm_adv_by_std)
         valid = mask.bool()
@@ -205,7 +186,7 @@ class Trainer:
             m["critic/vf_explained_var"] = explained_variance(batch["values"], batch["returns"], mask)
         return m
 
-    def train_role(self, group, batch: Batch, loss_cfg, agg_mode: str, *args) -> dict[str, float]:
+    def train_role(self, role, batch: Batch, loss_cfg, agg_mode: str, **head_args) -> dict[str, float]:
         """actor.ppo_epochs passes over ``batch`` in mini-batches of actor.ppo_mini_batch_size prompts,
         one optimizer step each; the loss weights are normalised over each mini-batch. Returns the
         metrics averaged over the steps."""
@@ -217,10 +198,15 @@ class Trainer:
             for mini in batch.split(rows):
                 mini["loss_weights"] = loss_weights(mini["response_mask"], agg_mode,
                                                     self.cfg.rollout.max_response_length)
-                for k, v in group.update(mini, loss_cfg, *args).items():
+                for k, v in role.update(mini, loss_cfg, **head_args).items():
                     totals[k] = totals.get(k, 0.0) + v
                 n_steps += 1
         return {k: v / n_steps for k, v in totals.items()}
+
+    def sync_weights(self, version: int) -> None:
+        """The actor's current weights to every rollout engine, as weight version ``version``."""
+        sync_weights(self.actor, self.rollout, version, check=self.cfg.rollout.check_weights)
+        self.version = version
 
     # ---------------------------------------------------------------------------------- helpers
     def score(self, prompts: list[PromptItem], trajs: list[Trajectory], step: int | None = None):
@@ -239,29 +225,43 @@ class Trainer:
         scores, _ = self.score(items, trajs)
         return {"val/reward_mean": scores.mean().item()}
 
+    # ------------------------------------------------------------------------ checkpoint state
+    def state_dict(self, step: int) -> dict:
+        """What the controller must restore to continue exactly after ``step``."""
+        state = {"step": step, "weight_version": self.version, "loader": self.loader.state_dict()}
+        if self.kl_ctrl is not None:
+            state["kl_controller"] = {"value": float(self.kl_ctrl.value)}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.version = int(state["weight_version"])
+        self.loader.load_state_dict(state["loader"])
+        kl = state.get("kl_controller")
+        if kl is not None and self.kl_ctrl is None:
+            raise checkpoint.CheckpointError(f"{checkpoint.CONTROLLER}: the checkpoint has an in-reward KL "
+                                             "controller, the job has none (algorithm.kl_in_reward)")
+        if kl is not None:
+            self.kl_ctrl.value = kl["value"]
+
+    def resume(self) -> int:
+        """Continues from a checkpoint per ``trainer.resume``: the roles' weights and optimizers, the
+        controller state, then the restored weights to the engines. Returns the step to continue after
+        (0: a fresh start)."""
+        state = checkpoint.resume(self.cfg, self.roles.trainable())
+        if state is None:
+            return 0
+        self.load_state_dict(state)
+        self.sync_weights(self.version)
+        return int(state["step"])
+
+    def maybe_save(self, step: int) -> None:
+        t = self.cfg.trainer
+        if t.save_every and (step % t.save_every == 0 or step == t.total_steps):
+            checkpoint.save_checkpoint(checkpoint.checkpoint_dir_of(t), step, self.roles.trainable(),
+                                       self.state_dict(step), checkpoint.job_yaml(self.cfg), t.keep_last)
+
     def shutdown(self) -> None:
-        for role in (self.rollout, self.critic, self.reference, self.actor):
-            if role is not None:
-                role.shutdown()
-        self.pools.shutdown()
-
-
-def build_batch(trajs: list[Trajectory], pad_id: int) -> Batch:
-    """Right-padded prompt+response tokens with token-aligned masks and engine log-probs."""
-    seq_len = max(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
-    n = len(trajs)
-    input_ids = torch.full((n, seq_len), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((n, seq_len), dtype=torch.long)
-    response_mask = torch.zeros((n, seq_len))
-    rollout_logprobs = torch.zeros((n, seq_len))
-    for i, t in enumerate(trajs):
-        p, r = len(t.prompt_ids), len(t.response_ids)
-        input_ids[i, :p + r] = torch.tensor(t.prompt_ids + t.response_ids)
-        attention_mask[i, :p + r] = 1
-        response_mask[i, p:p + r] = 1.0
-        rollout_logprobs[i, p:p + r] = torch.tensor(t.response_logprobs)
-    return Batch(input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
-                 rollout_logprobs=rollout_logprobs)
+        self.roles.shutdown()
 
 
 def batch_metrics(batch: Batch, trajs: list[Trajectory], scores: torch.Tensor) -> dict[str, float]:
@@ -277,17 +277,3 @@ def batch_metrics(batch: Batch, trajs: list[Trajectory], scores: torch.Tensor) -
         "rollout/logprob_diff_mean": diff.mean().item(),
         "rollout/weight_version": float(min(tr.weight_version for tr in trajs)),
     }
-
-
-def run(cfg: JobConfig, layout: JobLayout) -> list[dict]:
-    import ray
-
-    os.makedirs(cfg.trainer.run_dir, exist_ok=True)
-    try:
-        trainer = Trainer(cfg, layout)
-        try:
-            return trainer.fit()
-        finally:
-            trainer.shutdown()
-    finally:
-        ray.shutdown()

@@ -67,7 +67,7 @@ def quickstart_trainer(tiny_assets):
     changes its settings for a step and puts them back."""
     import ray
 
-    from rlcore.trainer import Trainer
+    from launch.compose import build_trainer
 
     model, data = tiny_assets
     cfg = load_job("yaml_configs/quickstart_cpu.yaml", [
@@ -75,7 +75,7 @@ def quickstart_trainer(tiny_assets):
         "trainer.tensorboard=false", "data.batch_size=4", "rollout.n=4", "actor.micro_batch_size=8"])
     trainer = None
     try:
-        trainer = Trainer(cfg, validate(cfg))
+        trainer = build_trainer(cfg, validate(cfg))
         yield trainer
     finally:
         if trainer is not None:

@@ -1,7 +1,6 @@
 import torch
 
-from rlcore.batch import Trajectory
-from rlcore.trainer import build_batch
+from rlcore.batch import Trajectory, build_batch
 
 
 def test_build_batch_aligns_response_tokens_and_engine_logprobs():

@@ -204,7 +204,7 @@ def tp1pp2_resumed(assets, reference_run, tmp_path_factory):
     import ray
 
     from rlcore.job import load_job, validate
-    from rlcore.trainer import Trainer
+    from launch.compose import build_trainer
 
     model, data = assets
     ckpt = reference_run / "checkpoints" / "step_00000003"
@@ -213,7 +213,7 @@ def tp1pp2_resumed(assets, reference_run, tmp_path_factory):
     printed = io.StringIO()
     trainer = None
     try:
-        trainer = Trainer(cfg, validate(cfg, require_files=True))
+        trainer = build_trainer(cfg, validate(cfg, require_files=True))
         with contextlib.redirect_stdout(printed):
             trainer.fit()
         yield trainer, run_dir, printed.getvalue()
@@ -273,7 +273,7 @@ def test_export_to_hf_matches_the_trainer_logprobs(reference_run, tp1pp2_resumed
     actor = tp1pp2_resumed[0].actor
     actor.load_checkpoint(str(ckpt / "step_00000004" / "actor"))
     batch = Batch(input_ids=ids, attention_mask=torch.ones_like(ids), response_mask=torch.ones(ids.shape))
-    trainer_lp = actor.compute_logprobs(batch)[:, 1:]
+    trainer_lp = actor.forward(batch)["logprobs"][:, 1:]
     gap = (hf_lp - trainer_lp).abs().max().item()
     print(f"exported model vs trainer: max |log-prob diff| = {gap:.3g}")
     assert gap <= 1e-4

@@ -48,12 +48,14 @@ def _fixed_batch(vocab: int, n: int = 8, seq: int = 12, seed: int = 0) -> Batch:
 
 def test_weight_sync_makes_vllm_match_the_trained_tied_pp2_actor(split_pools, tmp_path):
     from megatron_workers import MegatronGroup
+    from rlcore.roles import RoleSpec
     from rollout import RolloutPool
 
     model = make_tiny_model(str(tmp_path / "model"), tie_word_embeddings=True, seed=3)
     pools = split_pools
-    actor = MegatronGroup("actor", model, 1, 2, 1, pools.placement("actor"), 4, "cpu", "float32",
-                          OptimConfig(lr=0.05, clip_grad=0.0), seed=0)
+    actor = MegatronGroup(RoleSpec("actor", model, tp=1, pp=2, dp=1, micro_batch_size=4, profile="cpu",
+                                   dtype="float32", seed=0, optim=OptimConfig(lr=0.05, clip_grad=0.0)),
+                          pools.placement("actor"))
     rollout = RolloutPool(model, RolloutConfig(kv_cache_gb=0.25, max_response_length=4),
                           pools.placement("rollout"), "cpu", "float32", seed=0)
     try:
@@ -64,14 +66,14 @@ def test_weight_sync_makes_vllm_match_the_trained_tied_pp2_actor(split_pools, tm
         mask[:, 1:] = True  # every position that has a prefix
 
         before = torch.tensor(rollout.prompt_logprobs(seqs))
-        assert (before - actor.compute_logprobs(batch))[mask].abs().max() < 1e-3, "same checkpoint must agree"
+        assert (before - actor.forward(batch)["logprobs"])[mask].abs().max() < 1e-3, "same checkpoint must agree"
 
         # A large step so the new weights are far from the engine's.
-        batch["old_logprobs"] = actor.compute_logprobs(batch)
+        batch["old_logprobs"] = actor.forward(batch)["logprobs"]
         batch["advantages"] = torch.randn(batch["input_ids"].shape, generator=torch.Generator().manual_seed(1))
         batch["loss_weights"] = loss_weights(batch["response_mask"], "token-mean", norm_length=7)
         actor.update(batch, LossConfig(kl_coeff=0.0))
-        trained = actor.compute_logprobs(batch)
+        trained = actor.forward(batch)["logprobs"]
         stale = torch.tensor(rollout.prompt_logprobs(seqs))
         assert (stale - trained)[mask].abs().max() > 1e-2, "the update should move the log-probs"
 

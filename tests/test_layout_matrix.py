@@ -76,6 +76,7 @@ def actors(cluster, model_dir):
     each group starts once and is shut down when the next layout is asked for (one group at a time on
     the actor pool). A fixture parametrized by the pairs would restart the group for every pair."""
     from megatron_workers import MegatronGroup
+    from rlcore.roles import RoleSpec
 
     current: dict = {}
 
@@ -86,8 +87,9 @@ def actors(cluster, model_dir):
                 current.clear()
             tp, pp, dp = ACTOR_LAYOUTS[name]
             model = make_tiny_model(str(model_dir / f"actor-{name}"), seed=list(ACTOR_LAYOUTS).index(name))
-            group = MegatronGroup("actor", model, tp, pp, dp, cluster.placement("actor"), 4, "cpu", "float32",
-                                  OptimConfig(), seed=0, vpp=ACTOR_VPP.get(name, 1))
+            group = MegatronGroup(RoleSpec("actor", model, tp=tp, pp=pp, dp=dp, micro_batch_size=4, profile="cpu",
+                                           dtype="float32", seed=0, optim=OptimConfig(), vpp=ACTOR_VPP.get(name, 1)),
+                                  cluster.placement("actor"))
             current.update(name=name, group=group)
         return current["group"]
 
@@ -107,7 +109,7 @@ def test_synced_engines_match_the_actor(actors, rollouts, actor_layout, rollout_
     actor, pool = actors(actor_layout), rollouts[rollout_layout]
     batch = _fixed_sequences()
     seqs = batch["input_ids"].tolist()
-    expected = actor.compute_logprobs(batch)[:, 1:]  # position 0 has no prefix
+    expected = actor.forward(batch)["logprobs"][:, 1:]  # position 0 has no prefix
 
     transport = "broadcast" if (actor_layout, rollout_layout) in BROADCAST else "shm"
     bucket_bytes = 6 * 1024 if (actor_layout, rollout_layout) in SMALL_BUCKETS else BUCKET_BYTES

@@ -102,6 +102,7 @@ def test_megatron_update_is_independent_of_micro_batch_size_and_dp(qwen2_untied,
     from safetensors.torch import load_file
 
     from megatron_workers import MegatronGroup
+    from rlcore.roles import RoleSpec
     from rlcore.config import OptimConfig
 
     loss_cfg = LossConfig(entropy_coeff=0.01)
@@ -112,11 +113,11 @@ def test_megatron_update_is_independent_of_micro_batch_size_and_dp(qwen2_untied,
     for micro_batch_size, dp in [(4, 1), (2, 2)]:
         # lr / eps as in test_megatron_layouts: Adam's first step must not amplify float noise.
         optim = OptimConfig(lr=1e-3, adam_eps=1e-6, clip_grad=1.0, use_distributed_optimizer=dp > 1)
-        group = MegatronGroup("actor", qwen2_untied, 1, 1, dp, placement, micro_batch_size, "cpu", "float32",
-                              optim, seed=0)
+        group = MegatronGroup(RoleSpec("actor", qwen2_untied, tp=1, pp=1, dp=dp, micro_batch_size=micro_batch_size,
+                                       profile="cpu", dtype="float32", seed=0, optim=optim), placement)
         try:
             if "old_logprobs" not in batch:  # on-policy, from the same checkpoint for every run
-                batch["old_logprobs"] = group.compute_logprobs(batch) * batch["response_mask"]
+                batch["old_logprobs"] = group.forward(batch)["logprobs"] * batch["response_mask"]
             metrics = group.update(Batch(batch), loss_cfg)
             results[(micro_batch_size, dp)] = metrics, group.hf_state_dict()
         finally:

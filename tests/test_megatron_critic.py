@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from launch.assets import make_tiny_model
 from megatron_workers.group import MegatronGroup
+from rlcore.roles import RoleSpec
 from megatron_workers.value_head import critic_hf_config
 from rlcore.algos import CriticLossConfig, critic_loss, loss_weights
 from rlcore.batch import Batch
@@ -57,16 +58,16 @@ def critic_batch(vocab: int = 16, seed: int = 0) -> Batch:
 
 
 def make_group(path, placement, tp, pp, dp):
-    return MegatronGroup("critic", path, tp=tp, pp=pp, dp=dp, placement=placement,
-                         micro_batch_size=MICRO_BATCH, profile="cpu", dtype="float32", optim=OPTIM, seed=0)
+    return MegatronGroup(RoleSpec("critic", path, tp=tp, pp=pp, dp=dp, micro_batch_size=MICRO_BATCH, profile="cpu",
+                                  dtype="float32", seed=0, head="value", optim=OPTIM), placement)
 
 
 def one_update(group, batch):
     """(values before, update metrics, values after) for one step whose old values are the critic's own."""
-    before = group.compute_values(batch)
+    before = group.forward(batch)["values"]
     batch["old_values"] = before * batch["response_mask"]
     metrics = group.update(batch, LOSS)
-    return before, metrics, group.compute_values(batch)
+    return before, metrics, group.forward(batch)["values"]
 
 
 def save_hf_critic(state: dict[str, torch.Tensor], base_model: str, out_dir: str) -> str:
@@ -173,7 +174,7 @@ def test_exported_critic_loads_back_under_pp2(placement, one_process):
     assert "lm_head.weight" not in saved
     group = make_group(folder, placement, 1, 2, 1)
     try:
-        values = group.compute_values(Batch(one_process["batch"]))
+        values = group.forward(Batch(one_process["batch"]))["values"]
         exported = group.hf_state_dict()
     finally:
         group.shutdown()
@@ -193,7 +194,7 @@ def test_critic_from_an_untied_actor_ignores_lm_head(qwen2_untied, placement, tm
     batch = critic_batch()
     group = make_group(qwen2_untied, placement, 1, 2, 1)
     try:
-        values = group.compute_values(batch)
+        values = group.forward(batch)["values"]
         exported = group.hf_state_dict()
     finally:
         group.shutdown()

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megatron_workers.group import MegatronGroup
+from rlcore.roles import RoleSpec
 from rlcore.batch import Batch
 from rlcore.weight_sync import DTYPES, SharedSlots, WeightSyncGroup, receive_buckets, receive_shared
 
@@ -43,14 +44,14 @@ def hf_logprobs(model, input_ids: torch.Tensor, temperature: float) -> torch.Ten
 
 
 def make_group(path, placement, tp=1, pp=1, dp=1, micro_batch_size=2):
-    return MegatronGroup("reference", path, tp=tp, pp=pp, dp=dp, placement=placement,
-                         micro_batch_size=micro_batch_size, profile="cpu", dtype="float32", optim=None, seed=0)
+    return MegatronGroup(RoleSpec("reference", path, tp=tp, pp=pp, dp=dp, micro_batch_size=micro_batch_size,
+                                  profile="cpu", dtype="float32", seed=0), placement)
 
 
 def check_logprobs_match_hf(group, path, temperature=0.8):
     model, _ = hf_model_and_weights(path)
     batch = fixed_sequences()
-    ours = group.compute_logprobs(batch, temperature=temperature)
+    ours = group.forward(batch, temperature=temperature)["logprobs"]
     ref = hf_logprobs(model, batch["input_ids"], temperature)
     assert ours.shape == ref.shape
     assert torch.all(ours[:, 0] == 0)

@@ -15,6 +15,7 @@ import torch
 
 from launch.assets import make_tiny_model
 from megatron_workers.group import MegatronGroup
+from rlcore.roles import RoleSpec
 from rlcore.algos import LossConfig, actor_loss, loss_weights
 from rlcore.batch import Batch
 from rlcore.config import OptimConfig
@@ -51,27 +52,27 @@ def right_padded_batch(vocab: int = 16, seed: int = 0) -> Batch:
 
 
 def make_group(model_path, placement, tp, pp, dp, vpp=1):
-    return MegatronGroup("actor", model_path, tp=tp, pp=pp, dp=dp, placement=placement,
-                         micro_batch_size=MICRO_BATCH, profile="cpu", dtype="float32",
-                         optim=OptimConfig(**{**OPTIM.__dict__, "use_distributed_optimizer": dp > 1}),
-                         seed=0, vpp=vpp)
+    return MegatronGroup(RoleSpec("actor", model_path, tp=tp, pp=pp, dp=dp, micro_batch_size=MICRO_BATCH,
+                                  profile="cpu", dtype="float32", seed=0, vpp=vpp,
+                                  optim=OptimConfig(**{**OPTIM.__dict__, "use_distributed_optimizer": dp > 1})),
+                         placement)
 
 
 def update_and_measure(group, batch):
     """(log-probs before, update metrics, updated HF weights, log-probs after) of one update."""
-    before = group.compute_logprobs(batch)
+    before = group.forward(batch)["logprobs"]
     if "old_logprobs" not in batch:  # the one-process run: on-policy, old = the model's own
         batch["old_logprobs"] = before * batch["response_mask"]
     metrics = group.update(batch, LOSS)
     weights = group.hf_state_dict()
-    after = group.compute_logprobs(batch)
+    after = group.forward(batch)["logprobs"]
     return before, metrics, weights, after
 
 
 def update_then_logprobs(group, batch):
     """The log-probs after one more update: they depend on the optimizer's state, not only the weights."""
     group.update(Batch(batch), LOSS)
-    return group.compute_logprobs(batch)
+    return group.forward(batch)["logprobs"]
 
 
 def run_layout(model_path, placement, tp, pp, dp, batch):
@@ -173,7 +174,7 @@ def pp2vpp2_run(model_path, placement, one_process, checkpoints):
         out = {"update": update_and_measure(group, Batch(batch))}
         group.save_checkpoint(str(checkpoints / "pp2vpp2"))
         group.load_checkpoint(str(checkpoints / "tp1pp1"), with_optimizer=True)
-        out["loaded"] = group.compute_logprobs(batch), group.hf_state_dict()
+        out["loaded"] = group.forward(batch)["logprobs"], group.hf_state_dict()
         out["second_update"] = update_then_logprobs(group, batch)
     finally:
         group.shutdown()
@@ -190,7 +191,7 @@ def test_checkpoints_cross_vpp_layouts(model_path, placement, one_process, check
     group = make_group(model_path, placement, 1, 1, 1)
     try:
         group.load_checkpoint(str(checkpoints / "pp2vpp2"), with_optimizer=True)
-        loaded, weights = group.compute_logprobs(batch), group.hf_state_dict()
+        loaded, weights = group.forward(batch)["logprobs"], group.hf_state_dict()
         loaded_second_update = update_then_logprobs(group, batch)
     finally:
         group.shutdown()

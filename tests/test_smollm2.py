@@ -112,7 +112,7 @@ def test_a_grpo_step_keeps_engine_and_trainer_in_agreement(smollm2, math_data, t
     import ray
 
     from rlcore.job import load_job, validate
-    from rlcore.trainer import Trainer
+    from launch.compose import build_trainer
     from rlcore.weight_sync import checksum
 
     train_path, val_path = math_data
@@ -125,7 +125,7 @@ def test_a_grpo_step_keeps_engine_and_trainer_in_agreement(smollm2, math_data, t
     assert (layout.actor.tp, layout.actor.pp, layout.reference) == (1, 2, None)
     trainer = None
     try:
-        trainer = Trainer(cfg, layout)
+        trainer = build_trainer(cfg, layout)
         metrics = trainer.train_step(1)
         assert metrics["rollout/logprob_diff_max"] < 1e-3, metrics["rollout/logprob_diff_max"]
         assert metrics["rollout/weight_version"] == 0 and metrics["weights/version"] == 1
@@ -143,7 +143,7 @@ def test_a_grpo_step_keeps_engine_and_trainer_in_agreement(smollm2, math_data, t
         input_ids = torch.full((len(seqs), width), trainer.pad_id, dtype=torch.long)
         for i, s in enumerate(seqs):
             input_ids[i, :len(s)] = torch.tensor(s)
-        actor = trainer.actor.compute_logprobs(Batch(input_ids=input_ids))
+        actor = trainer.actor.forward(Batch(input_ids=input_ids))["logprobs"]
         for i, s in enumerate(seqs):
             gap = (torch.tensor(engine[i][1:]) - actor[i, 1:len(s)]).abs().max().item()
             assert gap < 1e-3, (i, gap)

@@ -1,0 +1,81 @@
+"""The composition root: the one place that knows which class plays which role.
+
+``build_trainer`` loads the task (tokenizer, datasets, reward function: bad inputs fail before Ray
+starts), starts Ray and the resource pools, builds each role from its spec (Megatron groups with the
+LM or value head, the vLLM rollout pool), connects the weight sync between the actor and the
+engines, and hands it all to ``rlcore.trainer.Trainer``, which knows the roles only as protocols.
+"""
+from __future__ import annotations
+
+import os
+
+from rlcore import checkpoint
+from rlcore.config import JobConfig
+from rlcore.data import load_task
+from rlcore.job import JobLayout, RoleLayout
+from rlcore.placement import ResourcePools, start_ray
+from rlcore.roles import Roles, RoleSpec
+from rlcore.trainer import Trainer
+from rlcore.weight_sync import connect_weight_sync
+
+
+def role_spec(name: str, lay: RoleLayout, layout: JobLayout, model_path: str, micro_batch_size: int, seed: int,
+              head: str = "lm", optim=None) -> RoleSpec:
+    return RoleSpec(name, model_path, tp=lay.tp, pp=lay.pp, dp=lay.dp, vpp=lay.vpp, micro_batch_size=micro_batch_size,
+                    profile=layout.device, dtype=layout.dtype, seed=seed, head=head, optim=optim)
+
+
+def build_roles(cfg: JobConfig, layout: JobLayout) -> Roles:
+    """Starts Ray and every role of the validated job; the weight sync is connected."""
+    from megatron_workers import MegatronGroup
+    from rollout import RolloutPool
+
+    start_ray(layout.device, layout.total_gpus, cfg.resources.ray_address, cfg.resources.num_cpus)
+    role_pools = {"actor": layout.actor.pool, "rollout": layout.rollout.pool}
+    if layout.reference:
+        role_pools["reference"] = layout.reference.pool
+    if layout.critic:
+        role_pools["critic"] = layout.critic.pool
+    pools = ResourcePools(cfg.resources.pools, role_pools)
+    roles = Roles(actor=None, rollout=None, on_shutdown=[pools.shutdown])
+    seed, a, c = cfg.trainer.seed, cfg.actor, cfg.critic
+    try:
+        roles.actor = MegatronGroup(role_spec("actor", layout.actor, layout, cfg.model.path, a.micro_batch_size,
+                                              seed, optim=a.optim), pools.placement("actor"))
+        if layout.reference:  # only when a KL term needs it
+            roles.reference = MegatronGroup(role_spec("reference", layout.reference, layout, cfg.model.path,
+                                                      cfg.reference.micro_batch_size or a.micro_batch_size, seed),
+                                            pools.placement("reference"))
+        if layout.critic:  # PPO's value model: only when the advantage estimator needs values
+            roles.critic = MegatronGroup(role_spec("critic", layout.critic, layout, c.model_path or cfg.model.path,
+                                                   c.micro_batch_size, seed, head="value", optim=c.optim),
+                                         pools.placement("critic"))
+        roles.rollout = RolloutPool(cfg.model.path, cfg.rollout, pools.placement("rollout"), layout.device,
+                                    layout.dtype, seed)
+        connect_weight_sync(roles.actor, roles.rollout, cfg.rollout.engines, cfg.rollout.bucket_mb * 1024 ** 2,
+                            layout.dtype, cfg.rollout.weight_transport)
+    except BaseException:
+        roles.shutdown()
+        raise
+    return roles
+
+
+def build_trainer(cfg: JobConfig, layout: JobLayout) -> Trainer:
+    checkpoint.seed_everything(cfg.trainer.seed)  # python, numpy, torch of the controller
+    task = load_task(cfg)
+    return Trainer(cfg, task, build_roles(cfg, layout))
+
+
+def run(cfg: JobConfig, layout: JobLayout) -> list[dict]:
+    """Trains the validated job to the end; every role and Ray are stopped whatever happens."""
+    import ray
+
+    os.makedirs(cfg.trainer.run_dir, exist_ok=True)
+    try:
+        trainer = build_trainer(cfg, layout)
+        try:
+            return trainer.fit()
+        finally:
+            trainer.shutdown()
+    finally:
+        ray.shutdown()

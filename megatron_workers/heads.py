@@ -1,0 +1,110 @@
+"""Role heads: what a Megatron role's last pipeline stage computes from the model's output.
+
+The engine (``engine.MegatronEngine``) is the same for every role; the head is the part plugged in:
+- how the model chunk is built (the vocabulary projection, or the scalar value head);
+- what a forward-only pass returns per micro-batch (``outputs``);
+- the loss hook of the update (``loss``), with the keys of the batch it reads.
+A new scoring model (e.g. a reward model's last-token score) is one new head class and one line in
+``HEADS``.
+
+Every head's loss returns this micro-batch's share of the global aggregate (rlcore.algos: the
+controller's ``loss_weights`` are normalised over the whole mini-batch), so the engine can sum the
+shares over micro-batches and DP ranks.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from rlcore.batch import Batch
+
+
+class LMHead:
+    """The causal LM's vocabulary logits: per-token log-probs and entropy; trained with the policy
+    loss (``rlcore.algos.actor_loss``)."""
+
+    forward_keys = ("input_ids",)
+    train_keys: Optional[tuple[str, ...]] = None  # the policy loss may read any key: send the whole batch
+
+    @staticmethod
+    def build(hf, config, profile: str, vp_stage, seed: int):
+        from .model import build_gpt_model
+
+        return build_gpt_model(hf, config, profile, vp_stage=vp_stage)
+
+    @staticmethod
+    def outputs(output: torch.Tensor, micro_batch: Batch, tp_group, temperature: float = 1.0) -> dict:
+        from .logprobs import token_logprobs_and_entropy
+
+        lp, ent = token_logprobs_and_entropy(output, micro_batch["input_ids"], temperature, tp_group)
+        return {"logprobs": lp, "entropy": ent}
+
+    @staticmethod
+    def check_update(batch: Batch, role: str) -> None:
+        if float(batch["response_mask"].sum()) <= 0:
+            raise ValueError(f"{role} update: the batch has no response tokens (response_mask is all 0)")
+        if "loss_weights" not in batch:
+            raise ValueError(f"{role} update: the batch has no 'loss_weights' (set batch['loss_weights'] = "
+                             "rlcore.algos.loss_weights(response_mask, loss_agg_mode, max_response_length) on the "
+                             "whole mini-batch before the update)")
+
+    @staticmethod
+    def loss(output: torch.Tensor, micro_batch: Batch, loss_cfg, tp_group, temperature: float = 1.0):
+        from rlcore.algos import actor_loss
+
+        from .logprobs import token_logprobs_and_entropy
+
+        logprobs, entropy = token_logprobs_and_entropy(output, micro_batch["input_ids"], temperature, tp_group)
+        return actor_loss(logprobs, entropy, micro_batch, loss_cfg)
+
+    @staticmethod
+    def hf_config(causal_lm_config: dict) -> dict:
+        return causal_lm_config
+
+
+class ValueHead:
+    """A scalar per token (PPO's critic, ``value_head.py``): token-aligned values; trained with the
+    clipped value loss (``rlcore.algos.critic_loss``)."""
+
+    forward_keys = ("input_ids",)
+    train_keys = ("input_ids", "response_mask", "returns", "old_values", "loss_weights")  # what critic_loss reads
+
+    @staticmethod
+    def build(hf, config, profile: str, vp_stage, seed: int):
+        from .model import build_gpt_model
+
+        return build_gpt_model(hf, config, profile, vp_stage=vp_stage, value_head_seed=seed)
+
+    @staticmethod
+    def outputs(output: torch.Tensor, micro_batch: Batch, tp_group) -> dict:
+        from .value_head import token_values
+
+        return {"values": token_values(output)}
+
+    @staticmethod
+    def check_update(batch: Batch, role: str) -> None:
+        pass
+
+    @staticmethod
+    def loss(output: torch.Tensor, micro_batch: Batch, loss_cfg, tp_group):
+        from rlcore.algos import critic_loss
+
+        from .value_head import token_values
+
+        return critic_loss(token_values(output), micro_batch, loss_cfg)
+
+    @staticmethod
+    def hf_config(causal_lm_config: dict) -> dict:
+        from .value_head import critic_hf_config
+
+        return critic_hf_config(causal_lm_config)
+
+
+HEADS = {"lm": LMHead, "value": ValueHead}
+
+
+def get_head(name: str):
+    if name not in HEADS:
+        raise ValueError(f"role head {name!r}: expected one of {', '.join(HEADS)}")
+    return HEADS[name]

@@ -1,0 +1,107 @@
+"""What the loop needs of each role, as small typed interfaces.
+
+``rlcore`` never imports ``megatron_workers`` or ``rollout``: the composition root (``launch/``)
+builds the roles and hands them to the ``Trainer``, which talks to them only through these
+protocols. A Megatron group with the LM head is a ``TrainableRole`` (the actor) or a
+``ForwardRole`` (the reference); with the value head it is the critic; the rollout pool is a
+``Generator`` and the receiving side of weight sync. A ``RoleSpec`` is the plain description a
+Megatron role is built from.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol, runtime_checkable
+
+import torch
+
+from rlcore.batch import Batch, Trajectory
+from rlcore.config import OptimConfig
+
+__all__ = ["ForwardRole", "Generator", "RoleSpec", "Roles", "TrainableRole"]
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """One Megatron role: which model, which layout, which head, and whether it trains.
+
+    ``name`` names the role's metrics (``actor/grad_norm``) and messages; it never selects
+    behaviour: the ``head`` decides what the last stage computes and ``optim`` whether it trains."""
+    name: str  # "actor" | "reference" | "critic" | any later scoring role
+    model_path: str  # HF folder: config.json + *.safetensors
+    tp: int
+    pp: int
+    dp: int
+    micro_batch_size: int  # sequences per forward/backward micro-batch, per DP rank
+    profile: str  # "cpu" | "gpu"
+    dtype: str  # "float32" | "bfloat16" (resolved, not "auto")
+    seed: int
+    head: str = "lm"  # "lm": vocabulary logits -> log-probs; "value": a scalar per token
+    optim: Optional[OptimConfig] = None  # None: forward-only (no optimizer is built)
+    vpp: int = 1  # virtual pipeline stages (model chunks) per PP rank
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def trainable(self) -> bool:
+        return self.optim is not None
+
+
+@runtime_checkable
+class ForwardRole(Protocol):
+    """A model that scores batches without training: the reference, a reward model."""
+
+    def forward(self, batch: Batch, **head_args) -> dict[str, torch.Tensor]:
+        """The head's token-aligned [B, S] outputs for ``batch`` (LM head: ``logprobs``,
+        ``entropy``; value head: ``values``)."""
+        ...
+
+    def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class TrainableRole(ForwardRole, Protocol):
+    """A model the loop updates: the actor, the critic."""
+
+    def update(self, batch: Batch, loss_cfg, **head_args) -> dict[str, float]:
+        """One optimizer step on the whole of ``batch`` (``loss_weights`` already set) with the
+        head's loss; returns the metrics summed over micro-batches and DP ranks."""
+        ...
+
+    def save_checkpoint(self, path: str) -> None: ...
+
+    def load_checkpoint(self, path: str, with_optimizer: bool = True) -> None: ...
+
+
+@runtime_checkable
+class Generator(Protocol):
+    """The rollout engines: samples with the engine's log-prob of every token and the weight
+    version that made it."""
+
+    def generate(self, prompt_ids: list[list[int]], n: int, temperature: float = 1.0, top_p: float = 1.0,
+                 top_k: int = -1, max_tokens: int = 256, seed: Optional[int] = None) -> list[Trajectory]: ...
+
+    def shutdown(self) -> None: ...
+
+
+@dataclass
+class Roles:
+    """Every role of one job, built by the composition root. ``on_shutdown`` releases what was
+    acquired for them (resource pools); ``shutdown`` stops the roles first, the rollout first."""
+    actor: TrainableRole
+    rollout: Generator  # also the WeightReceiver of the weight sync
+    reference: Optional[ForwardRole] = None
+    critic: Optional[TrainableRole] = None
+    on_shutdown: list[Callable[[], Any]] = field(default_factory=list)
+
+    def trainable(self) -> dict[str, TrainableRole]:
+        """The roles whose weights and optimizer state a checkpoint holds, by name."""
+        return {name: role for name, role in (("actor", self.actor), ("critic", self.critic)) if role is not None}
+
+    def shutdown(self) -> None:
+        for role in (self.rollout, self.critic, self.reference, self.actor):
+            if role is not None:
+                role.shutdown()
+        for release in self.on_shutdown:
+            release()
