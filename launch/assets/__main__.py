@@ -1,0 +1,12 @@
+"""``python -m launch.assets``: the quickstart's tiny model and addition data, built locally."""
+import argparse
+
+from launch.assets.tiny import make_addition_data, make_tiny_model
+
+p = argparse.ArgumentParser(prog="python -m launch.assets", description="Builds the quickstart's model and data locally: nothing is downloaded.")
+p.add_argument("--model-dir", default=".cache/tiny-qwen2")
+p.add_argument("--data-dir", default=".cache/tiny-addition")
+p.add_argument("--tie-word-embeddings", action="store_true")
+a = p.parse_args()
+print(make_tiny_model(a.model_dir, tie_word_embeddings=a.tie_word_embeddings))
+print(make_addition_data(a.data_dir))
