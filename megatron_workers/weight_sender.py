@@ -87,7 +87,7 @@ class StageWeightSender:
         sender's stats (and checksums of what it sent with ``with_checksums``); None elsewhere."""
         if self.dp_rank != 0:
             return None
-        if self.writer is None:
+        if self.writer is None or not self.writer.joined:
             raise RuntimeError("weight sync is not set up: call weight_sync_plan() and init_weight_sync()")
         stats = self.writer.send(self, with_checksums)
         if not self.is_stage_sender:

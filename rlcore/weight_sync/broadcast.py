@@ -137,8 +137,8 @@ class BroadcastWriter(StageWriter):
 
     def send(self, source: StageSource, with_checksums: bool) -> dict | None:
         tensors = source.tensors()
-        if self.group is None:  # a TP peer: the all-gathers run in lock-step with the sender's
-            for _ in tensors:
+        if self.tp_rank >= self.link.writers:
+            for _ in tensors:  # a TP peer: the all-gathers run in lock-step with the sender's
                 pass
             return None
         return send_buckets(self.group, self.plan, tensors, self.device, with_checksums)

@@ -38,6 +38,7 @@ class StageWriter(ABC):
         self.link, self.tp_rank, self.plan = link, tp_rank, plan
         self.group: WeightSyncGroup | None = None
         self.device: str | torch.device = "cpu"
+        self.joined = False  # ``send`` needs ``join`` first
 
     @classmethod
     @abstractmethod
@@ -50,6 +51,7 @@ class StageWriter(ABC):
         self.device = device
         if self.tp_rank < self.link.writers:
             self.group = WeightSyncGroup.join(self.link, self.tp_rank, backend, device=device)
+        self.joined = True
 
     @abstractmethod
     def send(self, source: StageSource, with_checksums: bool) -> dict | None:
@@ -58,7 +60,7 @@ class StageWriter(ABC):
         ``peak_extra_bytes``; ``checksums`` of what was sent with ``with_checksums``); None elsewhere."""
 
     def close(self) -> None:
-        self.group = None
+        self.group, self.joined = None, False
 
 
 class StageReader(ABC):
