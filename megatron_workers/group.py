@@ -126,8 +126,9 @@ class MegatronGroup:
         return [ip for ip, _ in ray.get([w.node_ip_and_free_port.remote() for w in self.workers])]
 
     def weight_sync_links(self, transport: str, receivers: int) -> list:
-        """Each stage sender's rlcore.weight_sync.StageLink for ``transport`` (``shm``: it creates the
-        stage's shared bucket slots now), in stage order; ``receivers`` ranks will join each group."""
+        """Each stage sender's rlcore.weight_sync.StageLink for the registered ``transport`` (made now,
+        with whatever the members must find when they join), in stage order; ``receivers`` ranks will
+        join each group."""
         import ray
 
         return ray.get([self.workers[s].weight_sync_link.remote(transport, receivers) for s in self._senders])
@@ -142,8 +143,8 @@ class MegatronGroup:
         return refs
 
     def send_weights(self, with_checksums: bool = False) -> list:
-        """Broadcasts every stage's buckets over its weight-sync group (stages in parallel; every rank
-        takes part in its TP gathers). Returns the refs to ray.get together with the receivers: the
+        """Sends every stage's buckets over its weight-sync group (stages in parallel; each rank as the
+        transport needs). Returns the refs to ray.get together with the receivers: the
         stage senders' stats (with ``checksums`` of what they sent when asked), None for other ranks."""
         # Checked here, not on the senders: a sender that refused would leave its TP peers waiting
         # in their all-gathers.

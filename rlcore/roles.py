@@ -16,8 +16,9 @@ import torch
 
 from rlcore.batch import Batch, Trajectory
 from rlcore.config import OptimConfig
+from rlcore.weight_sync import WeightReceiver, WeightSender
 
-__all__ = ["ForwardRole", "Generator", "RoleSpec", "Roles", "TrainableRole"]
+__all__ = ["ForwardRole", "Generator", "RoleSpec", "Roles", "TrainableRole", "WeightReceiver", "WeightSender"]
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,8 @@ class Generator(Protocol):
 class Roles:
     """Every role of one job, built by the composition root. ``on_shutdown`` releases what was
     acquired for them (resource pools); ``shutdown`` stops the roles first, the rollout first."""
-    actor: TrainableRole
-    rollout: Generator  # also the WeightReceiver of the weight sync
+    actor: TrainableRole  # also the weight sync's WeightSender
+    rollout: Generator  # also the weight sync's WeightReceiver
     reference: Optional[ForwardRole] = None
     critic: Optional[TrainableRole] = None
     on_shutdown: list[Callable[[], Any]] = field(default_factory=list)

