@@ -56,7 +56,8 @@ class TokenCounter:
 def run_bench(spec: str, overrides: list[str], steps: int, warmup: int) -> dict:
     import ray
 
-    from rlcore.job import load_job, validate
+    from rlcore.job import load_job
+    from rlcore.validate import validate
     from rlcore.trainer import Trainer
 
     cfg = load_job(spec, overrides)

@@ -10,8 +10,10 @@ import torch
 
 from rlcore.batch import Batch
 from rlcore.config import OptimConfig
+from rlcore.layout import check_model_split
 from rlcore.placement import RolePlacement
 
+from .model import read_hf_config
 from .worker import MegatronWorker
 
 
@@ -23,8 +25,7 @@ class MegatronGroup:
 
         if min(tp, pp, dp) < 1:
             raise ValueError(f"{role}: TP, PP and DP must be >= 1, got TP={tp} PP={pp} DP={dp}")
-        if vpp < 1 or (vpp > 1 and pp == 1):
-            raise ValueError(f"{role}: vpp={vpp} must be >= 1, and vpp > 1 needs pp > 1 (got pp={pp})")
+        check_model_split(read_hf_config(model_path), tp, pp, vpp, role)  # as `rlx validate`, before any worker
         world = tp * pp * dp
         if len(placement.bundle_indices) < world:
             raise ValueError(f"{role}: TP x PP x DP = {world} ranks, but pool {placement.pool!r} has "

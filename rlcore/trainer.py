@@ -11,14 +11,14 @@ import time
 
 import torch
 
-from rlcore.algos import (NEEDS_BASELINE_ROLLOUT, AdvantageInputs, CriticLossConfig, LossConfig, apply_kl_penalty,
-                          compute_advantages, explained_variance, groups_with_variance, kl_controller,
+from rlcore.algos import (ADV_ESTIMATORS, AdvantageInputs, apply_kl_penalty, compute_advantages,
+                          explained_variance, groups_with_variance, kl_controller,
                           last_token_rewards, loss_weights, overlong_penalty)
 from rlcore import checkpoint
 from rlcore.batch import Batch, Trajectory
-from rlcore.config import JobConfig
+from rlcore.config import JobConfig, resolved_critic
 from rlcore.data import PromptItem, PromptLoader, load_datasets
-from rlcore.job import JobLayout
+from rlcore.validate import JobLayout
 from rlcore.metrics import MetricsLogger, timer
 from rlcore.placement import ResourcePools, start_ray
 from rlcore.reward import RewardError, compute_rewards, load_reward_fn
@@ -66,12 +66,12 @@ class Trainer:
         c = cfg.critic  # PPO's value model: only when the advantage estimator needs values
         self.critic = (megatron_group("critic", layout.critic, c.micro_batch_size, c.optim,
                                       c.model_path or cfg.model.path) if layout.critic else None)
-        self.critic_loss_cfg = CriticLossConfig(c.cliprange_value)
+        self.critic_loss_cfg = c.loss
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon) if cfg.algorithm.kl_in_reward else None
         self.rollout = RolloutPool(cfg.model.path, cfg.rollout, self.pools.placement("rollout"),
                                    layout.device, dtype, cfg.trainer.seed)
-        self.loss_cfg = LossConfig.from_config(a)
+        self.loss_cfg = a.loss
         self.version = 0  # the engines start from the same HF checkpoint as the actor
         connect_weight_sync(self.actor, self.rollout, cfg.rollout.engines, cfg.rollout.bucket_mb * 1024 ** 2, dtype,
                             cfg.rollout.weight_transport)
@@ -116,9 +116,9 @@ class Trainer:
         if self.critic is not None:
             with timer("critic_update", m):
                 batch["old_values"] = batch["values"]  # the anchor of the clipped value loss
-                m.update(self.train_role(self.critic, batch, self.critic_loss_cfg, "token-mean"))
+                m.update(self.train_role(self.critic, batch, self.critic_loss_cfg, resolved_critic(cfg)))
         with timer("update", m):
-            m.update(self.train_role(self.actor, batch, self.loss_cfg, cfg.actor.loss_agg_mode, temperature))
+            m.update(self.train_role(self.actor, batch, self.loss_cfg, cfg.actor, temperature))
         with timer("weight_sync", m):
             self.version += 1
             sync_weights(self.actor, self.rollout, self.version, check=cfg.rollout.check_weights)
@@ -186,7 +186,7 @@ class Trainer:
             m.update({"actor/reward_kl_penalty": kl, "actor/reward_kl_coef": self.kl_ctrl.value})
             self.kl_ctrl.update(kl, n_steps=batch.size)
         baseline = None
-        if alg.adv_estimator in NEEDS_BASELINE_ROLLOUT:  # ReMax: the greedy response's score per prompt
+        if ADV_ESTIMATORS.meta(alg.adv_estimator).baseline_rollout:  # ReMax: the greedy response's score per prompt
             greedy = self.rollout.generate([p.prompt_ids for p in prompts], n=1, temperature=0.0, top_p=1.0,
                                            top_k=-1, max_tokens=self.cfg.rollout.max_response_length)
             greedy_scores = self.score(prompts, greedy)[0] + self.shaping(greedy, {})
@@ -205,17 +205,17 @@ class Trainer:
             m["critic/vf_explained_var"] = explained_variance(batch["values"], batch["returns"], mask)
         return m
 
-    def train_role(self, group, batch: Batch, loss_cfg, agg_mode: str, *args) -> dict[str, float]:
-        """actor.ppo_epochs passes over ``batch`` in mini-batches of actor.ppo_mini_batch_size prompts,
-        one optimizer step each; the loss weights are normalised over each mini-batch. Returns the
-        metrics averaged over the steps."""
-        a = self.cfg.actor
-        rows = (a.ppo_mini_batch_size or self.cfg.data.batch_size) * self.cfg.rollout.n
+    def train_role(self, group, batch: Batch, loss_cfg, role, *args) -> dict[str, float]:
+        """role.ppo_epochs passes over ``batch`` in mini-batches of role.ppo_mini_batch_size prompts
+        (``role``: cfg.actor, or resolved_critic(cfg)), one optimizer step each; the loss weights
+        (role.loss_agg_mode) are normalised over each mini-batch. Returns the metrics averaged over
+        the steps."""
+        rows = (role.ppo_mini_batch_size or self.cfg.data.batch_size) * self.cfg.rollout.n
         totals: dict[str, float] = {}
         n_steps = 0
-        for _ in range(a.ppo_epochs):
+        for _ in range(role.ppo_epochs):
             for mini in batch.split(rows):
-                mini["loss_weights"] = loss_weights(mini["response_mask"], agg_mode,
+                mini["loss_weights"] = loss_weights(mini["response_mask"], role.loss_agg_mode,
                                                     self.cfg.rollout.max_response_length)
                 for k, v in group.update(mini, loss_cfg, *args).items():
                     totals[k] = totals.get(k, 0.0) + v

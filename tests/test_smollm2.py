@@ -111,7 +111,8 @@ def test_a_grpo_step_keeps_engine_and_trainer_in_agreement(smollm2, math_data, t
     exactly as the trained PP=2 actor does, tied embedding included, with every weight checksum equal."""
     import ray
 
-    from rlcore.job import load_job, validate
+    from rlcore.job import load_job
+    from rlcore.validate import validate
     from rlcore.trainer import Trainer
     from rlcore.weight_sync import checksum
 
