@@ -48,19 +48,15 @@ def check_model_split(model: HFModelSpec, tp: int, pp: int, vpp: int = 1, role: 
     for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp)):
         if value < 1:
             raise ConfigError(f"{key(name, value)} must be positive")
-    if model.num_attention_heads % tp:
-        raise ConfigError(f"{key('tp', tp)} does not divide the model's {model.num_attention_heads} attention "
-                          f"heads ({src}: num_attention_heads)")
-    if model.num_kv_heads % tp:
-        raise ConfigError(f"{key('tp', tp)} does not divide the model's {model.num_kv_heads} key-value "
-                          f"heads ({src}: num_key_value_heads)")
-    if model.ffn_hidden_size % tp:
-        raise ConfigError(f"{key('tp', tp)} does not divide the model's intermediate_size="
-                          f"{model.ffn_hidden_size} ({src}: intermediate_size)")
-    # The vocabulary is not padded, so that HF tensors map 1:1 onto the shards.
-    if model.vocab_size % tp:
-        raise ConfigError(f"{key('tp', tp)} does not divide the model's vocabulary of {model.vocab_size} tokens "
-                          f"({src}: vocab_size; the vocabulary is not padded)")
+    # What TP splits. The vocabulary is not padded, so that HF tensors map 1:1 onto the shards.
+    split_by_tp = ((model.num_attention_heads, f"{model.num_attention_heads} attention heads", "num_attention_heads"),
+                   (model.num_kv_heads, f"{model.num_kv_heads} key-value heads", "num_key_value_heads"),
+                   (model.ffn_hidden_size, f"intermediate_size={model.ffn_hidden_size}", "intermediate_size"),
+                   (model.vocab_size, f"vocabulary of {model.vocab_size} tokens",
+                    "vocab_size; the vocabulary is not padded"))
+    for size, what, hf_key in split_by_tp:
+        if size % tp:
+            raise ConfigError(f"{key('tp', tp)} does not divide the model's {what} ({src}: {hf_key})")
     if model.num_layers % pp:
         raise ConfigError(f"{key('pp', pp)} does not divide the model's {model.num_layers} layers "
                           f"({src}: num_hidden_layers)")

@@ -284,12 +284,13 @@ def _check_algorithm_ranges(cfg: JobConfig) -> None:
     if loss.policy_loss == "dual_clip" and not loss.clip_ratio_c > 1:
         raise ConfigError(f"actor.loss.clip_ratio_c={loss.clip_ratio_c} must be above 1 for "
                           "actor.loss.policy_loss=dual_clip")
-    if loss.rollout_correction in ("icepop", "seq_mask") and not loss.rollout_is_threshold_low < loss.rollout_is_threshold:
-        raise ConfigError(f"actor.loss.rollout_is_threshold_low={loss.rollout_is_threshold_low} must be below "
-                          f"actor.loss.rollout_is_threshold={loss.rollout_is_threshold} (the range of ratios kept)")
+    lo, hi = loss.rollout_is_threshold_low, loss.rollout_is_threshold
+    if loss.rollout_correction in ("icepop", "seq_mask") and not lo < hi:
+        raise ConfigError(f"actor.loss.rollout_is_threshold_low={lo} must be below "
+                          f"actor.loss.rollout_is_threshold={hi} (the range of ratios kept)")
     if a.use_rollout_logprobs and loss.rollout_correction != "none":
-        raise ConfigError(f"actor.loss.rollout_correction={loss.rollout_correction} corrects the old log-probs towards the "
-                          "rollout engine's, but actor.use_rollout_logprobs=true makes them the same "
+        raise ConfigError(f"actor.loss.rollout_correction={loss.rollout_correction} corrects the old log-probs "
+                          "towards the rollout engine's, but actor.use_rollout_logprobs=true makes them the same "
                           "(set one of them off)")
     if alg.overlong_buffer.enable and alg.overlong_buffer.len > cfg.rollout.max_response_length:
         raise ConfigError(f"algorithm.overlong_buffer.len={alg.overlong_buffer.len} exceeds "

@@ -437,7 +437,8 @@ def test_ppo_mini_batch_must_split_into_micro_batches(files):
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    (["actor.loss.policy_loss=dual_clip", "actor.loss.clip_ratio_c=1.0"], "actor.loss.clip_ratio_c=1.0 must be above 1"),
+    (["actor.loss.policy_loss=dual_clip", "actor.loss.clip_ratio_c=1.0"],
+     "actor.loss.clip_ratio_c=1.0 must be above 1"),
     (["actor.loss.rollout_correction=icepop", "actor.loss.rollout_is_threshold_low=3"],
      "actor.loss.rollout_is_threshold_low=3.0 must be below actor.loss.rollout_is_threshold=2.0"),
     (["actor.loss.rollout_correction=tis", "actor.use_rollout_logprobs=true"], "actor.use_rollout_logprobs=true"),
