@@ -56,8 +56,9 @@ class TokenCounter:
 def run_bench(spec: str, overrides: list[str], steps: int, warmup: int) -> dict:
     import ray
 
-    from rlcore.job import load_job, validate
     from launch.compose import build_trainer
+    from rlcore.job import load_job
+    from rlcore.validate import validate
 
     cfg = load_job(spec, overrides)
     cfg.trainer.val_every = 0

@@ -126,8 +126,8 @@ def main(argv=None) -> None:
     ap.add_argument("--pairs", default=DEFAULT_PAIRS,
                     help=f"comma-separated actor:rollout pairs; actor in {list(ACTOR_LAYOUTS)}, rollout in "
                          f"{list(ROLLOUT_LAYOUTS)} (default {DEFAULT_PAIRS})")
-    ap.add_argument("--transports", default=",".join(REGISTRY.names()),
-                    help=f"comma-separated weight-sync transports to time for every pair, of {REGISTRY.names()} "
+    ap.add_argument("--transports", default=",".join(REGISTRY),
+                    help=f"comma-separated weight-sync transports to time for every pair, of {list(REGISTRY)} "
                          f"(default all)")
     ap.add_argument("--cpu-prepack", choices=("false", "true", "both"), default="false",
                     help="rollout.cpu_prepack of the engines: false = plain weights loaded in place (default), "
@@ -144,9 +144,9 @@ def main(argv=None) -> None:
                      f"and ROLLOUT in {list(ROLLOUT_LAYOUTS)}")
         pairs.append((actor_name, rollout_name))
     transports = args.transports.split(",")
-    bad = [t for t in transports if t not in REGISTRY.names()]
+    bad = [t for t in transports if t not in list(REGISTRY)]
     if bad:
-        ap.error(f"--transports {bad}: expected some of {REGISTRY.names()}")
+        ap.error(f"--transports {bad}: expected some of {list(REGISTRY)}")
     prepacks = {"false": [False], "true": [True], "both": [False, True]}[args.cpu_prepack]
 
     import ray

@@ -17,7 +17,8 @@ import sys
 
 from rlcore.checkpoint import CheckpointError
 from rlcore.data import DataError
-from rlcore.job import ConfigError, JobLayout, for_another_machine, load_job, validate
+from rlcore.job import ConfigError, load_job
+from rlcore.validate import JobLayout, for_another_machine, validate
 from rlcore.reward import RewardError
 
 

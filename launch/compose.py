@@ -12,7 +12,8 @@ import os
 from rlcore import checkpoint
 from rlcore.config import JobConfig
 from rlcore.data import load_task
-from rlcore.job import JobLayout, RoleLayout
+from rlcore.layout import RoleLayout
+from rlcore.validate import JobLayout
 from rlcore.placement import ResourcePools, start_ray
 from rlcore.roles import Roles, RoleSpec
 from rlcore.trainer import Trainer

@@ -147,9 +147,9 @@ def export_hf(checkpoint: str, out: str, role: str = "actor", max_shard_bytes: i
         if os.path.isfile(src) and name != "config.json" and not WEIGHT_FILE.match(name):
             shutil.copy2(src, os.path.join(out, name))
             written.append(name)
-    from megatron_workers.heads import get_head
+    from megatron_workers.heads import HEADS
 
-    hf_config = get_head(ROLE_HEADS[role]).hf_config(hf_config)
+    hf_config = HEADS[ROLE_HEADS[role]].hf_config(hf_config)
     hf_config["torch_dtype"] = dtype
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)

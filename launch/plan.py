@@ -24,7 +24,11 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from rlcore.job import ConfigError, JobLayout, RoleLayout, load_hf_config
+from rlcore.config import resolved_critic
+from rlcore.hf_config import HFModelSpec, parse_hf_config, read_hf_config
+from rlcore.job import ConfigError
+from rlcore.layout import RoleLayout
+from rlcore.validate import JobLayout
 
 GB = 1e9
 BYTES = {"bfloat16": 2, "float32": 4}
@@ -55,7 +59,8 @@ class PlanError(ConfigError):
 # ------------------------------------------------------------------------------------ the model
 @dataclass(frozen=True)
 class ModelDims:
-    """The architecture facts the memory model needs (Qwen2 / Llama: GQA, SwiGLU, RMSNorm)."""
+    """The architecture facts the memory model needs (Qwen2 / Llama: GQA, SwiGLU, RMSNorm), under the
+    short names its arithmetic uses; read by rlcore's one HF config reader (``from_spec``)."""
 
     architecture: str
     hidden: int
@@ -69,19 +74,15 @@ class ModelDims:
     tied: bool
 
     @classmethod
+    def from_spec(cls, hf: HFModelSpec) -> "ModelDims":
+        return cls(architecture=hf.architecture, hidden=hf.hidden_size, ffn=hf.ffn_hidden_size,
+                   layers=hf.num_layers, heads=hf.num_attention_heads, kv_heads=hf.num_kv_heads,
+                   head_dim=hf.head_dim, vocab=hf.vocab_size, qkv_bias=hf.qkv_bias, tied=hf.tie_word_embeddings)
+
+    @classmethod
     def from_hf(cls, hf: dict, source: str) -> "ModelDims":
-        try:
-            heads = int(hf["num_attention_heads"])
-            hidden = int(hf["hidden_size"])
-            arch = (hf.get("architectures") or ["?"])[0]
-            return cls(architecture=arch, hidden=hidden, ffn=int(hf["intermediate_size"]),
-                       layers=int(hf["num_hidden_layers"]), heads=heads,
-                       kv_heads=int(hf.get("num_key_value_heads") or heads),
-                       head_dim=int(hf.get("head_dim") or hidden // heads), vocab=int(hf["vocab_size"]),
-                       qkv_bias=arch.startswith("Qwen2") or bool(hf.get("attention_bias", False)),
-                       tied=bool(hf.get("tie_word_embeddings", False)))
-        except KeyError as e:
-            raise ConfigError(f"{source} has no {e.args[0]!r}, which the planner needs") from e
+        """From a config.json's contents (``source`` names it in messages)."""
+        return cls.from_spec(parse_hf_config(hf, source))
 
     @property
     def qkv_width(self) -> int:  # rows of the fused QKV projection
@@ -235,8 +236,15 @@ def _rollout_role(m: ModelDims, cfg, layout: JobLayout, gpu_memory: float, seq_l
 
 def read_model(cfg) -> tuple[ModelDims, str]:
     """The model's dimensions from model.path's config.json, or model.hf_config when the folder is not here."""
-    hf, source = load_hf_config(cfg.model.path, cfg.model.hf_config)
-    return ModelDims.from_hf(hf, source), source
+    hf = read_hf_config(cfg.model.path, cfg.model.hf_config)
+    return ModelDims.from_spec(hf), hf.source
+
+
+def _updates(cfg, role) -> tuple[int, int]:
+    """(sequences per optimizer step, optimizer steps per rollout batch) of a role that trains
+    (``cfg.actor``, or ``resolved_critic(cfg)``)."""
+    mini = role.ppo_mini_batch_size or cfg.data.batch_size
+    return mini * cfg.rollout.n, max(1, cfg.data.batch_size // mini) * role.ppo_epochs
 
 
 def estimate(cfg, layout: JobLayout, model: Optional[tuple[ModelDims, str]] = None) -> Plan:
@@ -244,8 +252,7 @@ def estimate(cfg, layout: JobLayout, model: Optional[tuple[ModelDims, str]] = No
     m, source = model or read_model(cfg)
     seq_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
     sequences = cfg.data.batch_size * cfg.rollout.n
-    mini = getattr(cfg.actor, "ppo_mini_batch_size", None) or cfg.data.batch_size
-    step_sequences = mini * cfg.rollout.n  # sequences per optimizer step
+    step_sequences, _ = _updates(cfg, cfg.actor)
     gpu_memory = cfg.resources.gpu_memory_gb * GB
     a = cfg.actor
     roles = [_train_role(m, "actor", layout.actor, layout.dtype, layout.device, seq_len, a.micro_batch_size,
@@ -257,10 +264,11 @@ def estimate(cfg, layout: JobLayout, model: Optional[tuple[ModelDims, str]] = No
                                  False, False))
     critic_layout = getattr(layout, "critic", None)
     if critic_layout is not None:
-        c = cfg.critic
+        c = resolved_critic(cfg)
+        critic_sequences, _ = _updates(cfg, c)
         roles.append(_train_role(m, "critic", critic_layout, layout.dtype, layout.device, seq_len,
                                  c.micro_batch_size,
-                                 max(1, step_sequences // (critic_layout.dp * c.micro_batch_size)), True,
+                                 max(1, critic_sequences // (critic_layout.dp * c.micro_batch_size)), True,
                                  c.optim.use_distributed_optimizer, value_head=True))
     roles.append(_rollout_role(m, cfg, layout, gpu_memory, seq_len))
     return Plan(model=m, source=source, device=layout.device, dtype=layout.dtype, gpu_memory=gpu_memory,
@@ -451,8 +459,7 @@ def suggest(cfg, layout: JobLayout, gpus_per_node: int, nodes: int, top: int = 1
     prompt_len, response_len = cfg.data.max_prompt_length, cfg.rollout.max_response_length
     sequences = cfg.data.batch_size * cfg.rollout.n
     tokens = sequences * (prompt_len + response_len)
-    mini = getattr(cfg.actor, "ppo_mini_batch_size", None) or cfg.data.batch_size
-    optimizer_steps = max(1, cfg.data.batch_size // mini) * getattr(cfg.actor, "ppo_epochs", 1)
+    _, optimizer_steps = _updates(cfg, cfg.actor)
     has_critic = getattr(layout, "critic", None) is not None
     tps = _valid_tps(m, gpus_per_node)
     sizes = _pool_sizes(total, gpus_per_node, nodes)
@@ -484,14 +491,15 @@ def _candidate(cfg, layout, model, actor_gpus, critic_gpus, rollout_gpus, tp, pp
     m = model[0]
     if actor_gpus % (tp * pp) or rollout_gpus % rtp or (critic_gpus and critic_gpus % (ctp * cpp)):
         return None
-    step_sequences = (getattr(cfg.actor, "ppo_mini_batch_size", None) or cfg.data.batch_size) * cfg.rollout.n
+    step_sequences, _ = _updates(cfg, cfg.actor)
+    critic_sequences, critic_steps = _updates(cfg, resolved_critic(cfg))
     actor = RoleLayout(pool="actor", gpus=actor_gpus, tp=tp, pp=pp, dp=actor_gpus // (tp * pp))
     if step_sequences % (actor.dp * cfg.actor.micro_batch_size):
         return None
     critic = None
     if critic_gpus:
         critic = RoleLayout(pool="critic", gpus=critic_gpus, tp=ctp, pp=cpp, dp=critic_gpus // (ctp * cpp))
-        if step_sequences % (critic.dp * cfg.critic.micro_batch_size):
+        if critic_sequences % (critic.dp * cfg.critic.micro_batch_size):
             return None
     pools = {"actor": actor_gpus, "rollout": rollout_gpus, **({"critic": critic_gpus} if critic else {})}
     trial_cfg = replace(cfg, resources=replace(cfg.resources, pools=pools, nodes=nodes, gpus_per_node=gpus_per_node))
@@ -511,7 +519,7 @@ def _candidate(cfg, layout, model, actor_gpus, critic_gpus, rollout_gpus, tp, pp
     microbatches = max(1, step_sequences // (actor.dp * cfg.actor.micro_batch_size))
     train = _train_seconds(m, actor, tokens, forward, gpus_per_node, microbatches, optimizer_steps, True)
     if critic is not None:
-        train += _train_seconds(m, critic, tokens, 1, gpus_per_node, microbatches, optimizer_steps, True)
+        train += _train_seconds(m, critic, tokens, 1, gpus_per_node, microbatches, critic_steps, True)
     # Weight sync: the full bf16 model crosses from the actor's nodes to the rollout's.
     sync = m.total_params() * 2 / (NETWORK_BYTES_S if nodes > 1 else NVLINK_BYTES_S)
     return Candidate(actor=actor, critic=critic, rollout_tp=rtp, rollout_engines=rollout_gpus // rtp, plan=plan,

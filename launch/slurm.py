@@ -20,7 +20,7 @@ import time
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:  # the steps the sbatch script runs should not pay for importing torch
-    from rlcore.job import JobLayout
+    from rlcore.validate import JobLayout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEMPLATE = os.path.join(ROOT, "launch", "rlx.sbatch")

@@ -28,7 +28,7 @@ import torch
 from rlcore.batch import Batch
 from rlcore.roles import RoleSpec
 
-from .heads import get_head
+from .heads import HEADS
 
 
 def free_port() -> int:
@@ -55,7 +55,7 @@ class MegatronEngine:
         # One math thread per worker process: on a shared 2-core box, two threads per process were
         # 5-100x slower whenever another process held a core (docs/cpu-profile.md).
         torch.set_num_threads(1)
-        self.spec, self.head, self.rank = spec, get_head(spec.head), rank
+        self.spec, self.head, self.rank = spec, HEADS[spec.head], rank
         self.role, self.model_path, self.profile, self.dtype = spec.name, spec.model_path, spec.profile, spec.dtype
         self.tp, self.pp, self.dp, self.vpp = spec.tp, spec.pp, spec.dp, spec.vpp
         self.micro_batch_size, self.seed = spec.micro_batch_size, spec.seed
@@ -190,16 +190,7 @@ class MegatronEngine:
         return self.is_last_stage and self.tp_rank == 0
 
     def _micro_batches(self, batch: Batch) -> list[Batch]:
-        if batch.size == 0 or batch.size % self.micro_batch_size:
-            raise ValueError(f"{self.role}: the DP shard of {batch.size} rows does not split into "
-                             f"micro-batches of {self.micro_batch_size} (pipeline stages exchange "
-                             f"fixed-shape activations)")
-        if self.vpp > 1 and (batch.size // self.micro_batch_size) % self.pp:
-            # megatron 0.16.1's interleaved schedule groups micro-batches pp at a time
-            # (microbatch_group_size_per_vp_stage defaults to pp) and refuses a partial group.
-            raise ValueError(f"{self.role}: the DP shard of {batch.size} rows makes "
-                             f"{batch.size // self.micro_batch_size} micro-batches of {self.micro_batch_size}, "
-                             f"not a multiple of PP={self.pp} as the interleaved schedule (VPP={self.vpp}) needs")
+        """This DP shard's micro-batches, on the device (the group has checked that they split evenly)."""
         seq_len = batch["input_ids"].shape[1]
         if self.config.sequence_parallel and seq_len % self.tp:
             raise ValueError(f"{self.role}: sequence length {seq_len} is not divisible by TP={self.tp} "

@@ -12,11 +12,13 @@ from __future__ import annotations
 import torch
 
 from rlcore.batch import Batch
+from rlcore.layout import check_micro_batches, check_model_split
 from rlcore.placement import RolePlacement
 from rlcore.roles import RoleSpec
 
 from .engine import MegatronEngine
-from .heads import get_head
+from .heads import HEADS
+from .model import read_hf_config
 
 
 class MegatronGroup:
@@ -25,12 +27,12 @@ class MegatronGroup:
 
         if min(spec.tp, spec.pp, spec.dp) < 1:
             raise ValueError(f"{spec.name}: TP, PP and DP must be >= 1, got TP={spec.tp} PP={spec.pp} DP={spec.dp}")
-        if spec.vpp < 1 or (spec.vpp > 1 and spec.pp == 1):
-            raise ValueError(f"{spec.name}: vpp={spec.vpp} must be >= 1, and vpp > 1 needs pp > 1 (got pp={spec.pp})")
+        # The same check as `rlx validate`, before any engine starts.
+        check_model_split(read_hf_config(spec.model_path), spec.tp, spec.pp, spec.vpp, spec.name)
         if len(placement.bundle_indices) < spec.world_size:
             raise ValueError(f"{spec.name}: TP x PP x DP = {spec.world_size} ranks, but pool {placement.pool!r} has "
                              f"{len(placement.bundle_indices)} GPUs")
-        self.spec, self.head = spec, get_head(spec.head)
+        self.spec, self.head = spec, HEADS[spec.head]
         self.role, self.tp, self.pp, self.dp, self.vpp = spec.name, spec.tp, spec.pp, spec.dp, spec.vpp
         self.profile = spec.profile
         engine_cls = ray.remote(MegatronEngine)
@@ -60,6 +62,9 @@ class MegatronGroup:
         returns the results of the DP replicas' reporting ranks, in DP order."""
         import ray
 
+        s = self.spec  # the check `rlx validate` ran on the configured batch sizes, on this batch
+        check_micro_batches(s.name, s, "the batch", batch.size, f"{s.name}.micro_batch_size", s.micro_batch_size,
+                            f"{s.name}.vpp")
         shards = [ray.put(batch.shard(d, self.dp)) for d in range(self.dp)]
         results = ray.get([getattr(w, method).remote(shards[d], *args)
                            for w, d in zip(self.workers, self._dp_rank)])

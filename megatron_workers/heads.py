@@ -4,8 +4,8 @@ The engine (``engine.MegatronEngine``) is the same for every role; the head is t
 - how the model chunk is built (the vocabulary projection, or the scalar value head);
 - what a forward-only pass returns per micro-batch (``outputs``);
 - the loss hook of the update (``loss``), with the keys of the batch it reads.
-A new scoring model (e.g. a reward model's last-token score) is one new head class and one line in
-``HEADS``.
+A new scoring model (e.g. a reward model's last-token score) is one new head class and one
+``HEADS.add`` line.
 
 Every head's loss returns this micro-batch's share of the global aggregate (rlcore.algos: the
 controller's ``loss_weights`` are normalised over the whole mini-batch), so the engine can sum the
@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from rlcore.batch import Batch
+from rlcore.registry import Registry
 
 
 class LMHead:
@@ -101,10 +102,6 @@ class ValueHead:
         return critic_hf_config(causal_lm_config)
 
 
-HEADS = {"lm": LMHead, "value": ValueHead}
-
-
-def get_head(name: str):
-    if name not in HEADS:
-        raise ValueError(f"role head {name!r}: expected one of {', '.join(HEADS)}")
-    return HEADS[name]
+HEADS = Registry("RoleSpec.head")
+HEADS.add("lm", LMHead)
+HEADS.add("value", ValueHead)

@@ -1,132 +1,31 @@
 """A megatron-core GPTModel built from a HuggingFace config.json (Qwen2 and Llama families).
 
 The device profile is the only switch between the two ways the same model runs:
-- ``cpu``: gloo, megatron-core's local layer spec (torch RMSNorm, unfused attention), fp32, no fusions
-  (shared/notes/megatron-core-on-cpu.md lists the settings that work);
+- ``cpu``: gloo, megatron-core's local layer spec (torch RMSNorm, unfused attention), fp32, no fusions;
 - ``gpu``: NCCL, the TransformerEngine layer spec, bf16 or fp32, sequence parallel when TP > 1, fusions.
-TransformerEngine is imported only on the gpu profile.
+TransformerEngine is imported only on the gpu profile. The HF config is read, and the layout checked,
+by rlcore (rlcore/hf_config.py, rlcore/layout.py): the same code `rlx validate` runs.
 """
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import dataclass
 
 import torch
 
+from rlcore import hf_config
+from rlcore.hf_config import HFModelSpec  # noqa: F401  (the workers and hf_weights.py type with it)
+from rlcore.layout import check_model_split
+
 PROFILES = ("cpu", "gpu")
 MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# *ForTokenClassification: a critic checkpoint (value_head.py), the same body with a scalar head.
-SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama",
-                           "Qwen2ForTokenClassification": "qwen2", "LlamaForTokenClassification": "llama"}
-
-# The llama3 RoPE scaling megatron-core implements has these constants built in
-# (models/common/embeddings/rotary_pos_embedding.py:_apply_scaling); other values are refused.
-_MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192}
-
-
-@dataclass(frozen=True)
-class HFModelSpec:
-    """The architecture facts of a HuggingFace checkpoint that the Megatron model must reproduce."""
-
-    family: str  # "qwen2" | "llama"
-    vocab_size: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling_factor: float | None  # llama3-style scaling factor; None: plain RoPE
-    max_position_embeddings: int
-    qkv_bias: bool
-    tie_word_embeddings: bool
-
-    @property
-    def heads_per_kv_group(self) -> int:
-        return self.num_attention_heads // self.num_kv_heads
 
 
 def read_hf_config(model_path: str) -> HFModelSpec:
-    """Reads ``model_path/config.json``; refuses what the Megatron model would not reproduce exactly."""
-    path = os.path.join(model_path, "config.json")
-    if not os.path.isfile(path):
+    """Reads ``model_path/config.json`` with rlcore's one reader (rlcore/hf_config.py), which refuses
+    what this Megatron model would not reproduce exactly (a ``ConfigError``, a ValueError)."""
+    if not os.path.isfile(os.path.join(model_path, "config.json")):
         raise FileNotFoundError(f"model {model_path!r} has no config.json: expected a HuggingFace folder")
-    with open(path) as f:
-        cfg = json.load(f)
-    archs = cfg.get("architectures") or []
-    family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-    if family is None:
-        raise ValueError(f"{path}: architectures {archs} are not supported; "
-                         f"expected one of {sorted(SUPPORTED_ARCHITECTURES)}")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{path}: hidden_act {cfg['hidden_act']!r} is not supported (SwiGLU needs silu)")
-    if family == "qwen2" and cfg.get("use_sliding_window", False):
-        raise ValueError(f"{path}: sliding-window attention is not supported")
-    if family == "llama":
-        if cfg.get("attention_bias", False):
-            raise ValueError(f"{path}: attention_bias=true (bias on o_proj too) is not supported")
-        if cfg.get("mlp_bias", False):
-            raise ValueError(f"{path}: mlp_bias=true is not supported")
-
-    # transformers 5 keeps rope_theta and the scaling in rope_parameters; older configs use
-    # rope_theta and rope_scaling at top level.
-    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    rope_scaling_factor = None
-    if rope_type == "llama3":
-        for key, want in _MEGATRON_LLAMA3_ROPE.items():
-            if float(rope.get(key, want)) != want:
-                raise ValueError(f"{path}: llama3 RoPE scaling with {key}={rope[key]} is not supported; "
-                                 f"megatron-core implements {key}={want}")
-        rope_scaling_factor = float(rope["factor"])
-    elif rope_type != "default":
-        raise ValueError(f"{path}: RoPE type {rope_type!r} is not supported (default or llama3)")
-
-    num_heads = int(cfg["num_attention_heads"])
-    num_kv = int(cfg.get("num_key_value_heads") or num_heads)
-    if num_heads % num_kv:
-        raise ValueError(f"{path}: {num_heads} attention heads do not split into {num_kv} KV groups")
-    hidden = int(cfg["hidden_size"])
-    return HFModelSpec(
-        family=family,
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=hidden,
-        ffn_hidden_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
-        num_attention_heads=num_heads,
-        num_kv_heads=num_kv,
-        head_dim=int(cfg.get("head_dim") or hidden // num_heads),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=rope_theta,
-        rope_scaling_factor=rope_scaling_factor,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        qkv_bias=True if family == "qwen2" else bool(cfg.get("attention_bias", False)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-    )
-
-
-def check_layout(hf: HFModelSpec, tp: int, pp: int, vpp: int = 1) -> None:
-    """The divisibility the Megatron model needs, each failure explained in one sentence."""
-    if hf.num_attention_heads % tp:
-        raise ValueError(f"TP={tp} does not divide the {hf.num_attention_heads} attention heads")
-    if hf.num_kv_heads % tp:
-        raise ValueError(f"TP={tp} does not divide the {hf.num_kv_heads} KV groups")
-    if hf.ffn_hidden_size % tp:
-        raise ValueError(f"TP={tp} does not divide the MLP size {hf.ffn_hidden_size}")
-    # The vocabulary is not padded, so that HF tensors map 1:1 onto the shards.
-    if hf.vocab_size % tp:
-        raise ValueError(f"TP={tp} does not divide the vocabulary of {hf.vocab_size} tokens")
-    if hf.num_layers % pp:
-        raise ValueError(f"PP={pp} does not divide the {hf.num_layers} layers")
-    if vpp < 1 or (vpp > 1 and pp == 1):
-        raise ValueError(f"VPP={vpp}: virtual pipeline stages need VPP >= 1, and VPP > 1 needs PP > 1")
-    if hf.num_layers % (pp * vpp):
-        raise ValueError(f"PP*VPP={pp}*{vpp} does not divide the {hf.num_layers} layers")
+    return hf_config.read_hf_config(model_path, key=None)
 
 
 def transformer_config(hf: HFModelSpec, profile: str, dtype: str, tp: int, pp: int, vpp: int = 1):
@@ -141,7 +40,8 @@ def transformer_config(hf: HFModelSpec, profile: str, dtype: str, tp: int, pp: i
         raise ValueError(f"dtype {dtype!r}: expected one of {sorted(MODEL_DTYPES)}")
     if profile == "cpu" and dtype != "float32":
         raise ValueError(f"the cpu profile runs in float32 (got dtype {dtype!r})")
-    check_layout(hf, tp, pp, vpp)
+    # The same check `rlx validate` ran on the job spec, again as a guard: the two cannot disagree.
+    check_model_split(hf, tp, pp, vpp)
     torch_dtype = MODEL_DTYPES[dtype]
     gpu = profile == "gpu"
     return TransformerConfig(

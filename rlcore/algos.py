@@ -13,10 +13,13 @@ follow the same contract, so they are additive across micro-batches and ranks to
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+
+from rlcore.config import CriticLossConfig, LossConfig
+from rlcore.registry import Registry
 
 
 # ------------------------------------------------------------------------------------ aggregation
@@ -24,16 +27,32 @@ def _seq_norm(response_mask: torch.Tensor) -> torch.Tensor:
     return response_mask / (response_mask.sum(-1, keepdim=True) > 0).sum().clamp(min=1)
 
 
-AGG_MODES: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
-    # every response token of the batch counts the same
-    "token-mean": lambda m, L: m / m.sum().clamp(min=1),
-    # a sequence counts by its summed token losses, the batch by the mean over sequences
-    "seq-mean-token-sum": lambda m, L: _seq_norm(m),
-    # every sequence counts the same whatever its length (the GRPO paper's)
-    "seq-mean-token-mean": lambda m, L: _seq_norm(m) / m.sum(-1, keepdim=True).clamp(min=1),
-    # Dr. GRPO: token sums divided by a constant (the longest response allowed), no length bias
-    "seq-mean-token-sum-norm": lambda m, L: _seq_norm(m) / L,
-}
+# Each mode: (response mask [B, S] as float, norm_length) -> per-token weights [B, S].
+AGG_MODES: Registry[Callable[[torch.Tensor, int], torch.Tensor]] = Registry("actor.loss_agg_mode")
+
+
+@AGG_MODES.register("token-mean")
+def _token_mean(m, norm_length):
+    """Every response token of the batch counts the same."""
+    return m / m.sum().clamp(min=1)
+
+
+@AGG_MODES.register("seq-mean-token-sum")
+def _seq_mean_token_sum(m, norm_length):
+    """A sequence counts by its summed token losses, the batch by the mean over sequences."""
+    return _seq_norm(m)
+
+
+@AGG_MODES.register("seq-mean-token-mean")
+def _seq_mean_token_mean(m, norm_length):
+    """Every sequence counts the same whatever its length (the GRPO paper's)."""
+    return _seq_norm(m) / m.sum(-1, keepdim=True).clamp(min=1)
+
+
+@AGG_MODES.register("seq-mean-token-sum-norm")
+def _seq_mean_token_sum_norm(m, norm_length):
+    """Dr. GRPO: token sums divided by a constant (the longest response allowed), no length bias."""
+    return _seq_norm(m) / norm_length
 
 
 def loss_weights(response_mask: torch.Tensor, mode: str, norm_length: int) -> torch.Tensor:
@@ -42,10 +61,8 @@ def loss_weights(response_mask: torch.Tensor, mode: str, norm_length: int) -> to
     before splitting it (see the module docstring). ``norm_length`` is ``rollout.max_response_length``
     (used by seq-mean-token-sum-norm only). Rows without response tokens get weight 0 and are not
     counted as sequences."""
-    if mode not in AGG_MODES:
-        raise ValueError(f"unknown loss_agg_mode {mode!r}; expected one of {', '.join(AGG_MODES)}")
-    mask = response_mask.float()
-    return AGG_MODES[mode](mask, norm_length)
+    fn = AGG_MODES[mode]  # an unknown mode raises, listing the valid ones
+    return fn(response_mask.float(), norm_length)
 
 
 def aggregate(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -71,20 +88,17 @@ class AdvantageInputs:
     baseline_scores: Optional[torch.Tensor] = None  # [N] score of the greedy response to the same prompt (remax)
 
 
+@dataclass(frozen=True)
+class EstimatorNeeds:
+    """What an advantage estimator needs besides the token rewards, declared where it is registered;
+    validation and the trainer ask ``ADV_ESTIMATORS.meta(name)``."""
+    critic: bool = False  # the critic's values (AdvantageInputs.values): the job gets a critic
+    groups: bool = False  # its baseline is the other samples of the same prompt: rollout.n >= 2
+    baseline_rollout: bool = False  # a greedy response per prompt (AdvantageInputs.baseline_scores)
+
+
 AdvantageFn = Callable[[AdvantageInputs, float, float, bool], tuple[torch.Tensor, torch.Tensor]]
-ADV_ESTIMATORS: dict[str, AdvantageFn] = {}
-NEEDS_CRITIC = {"gae"}
-NEEDS_BASELINE_ROLLOUT = {"remax"}
-# Estimators whose baseline is the other samples of the same prompt: they need rollout.n >= 2.
-NEEDS_GROUPS = {"grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline"}
-
-
-def register_adv_estimator(name: str):
-    def deco(fn):
-        ADV_ESTIMATORS[name] = fn
-        return fn
-
-    return deco
+ADV_ESTIMATORS: Registry[AdvantageFn] = Registry("algorithm.adv_estimator", meta=EstimatorNeeds)
 
 
 def compute_advantages(estimator: str, inputs: AdvantageInputs, gamma: float = 1.0, lam: float = 1.0,
@@ -93,11 +107,10 @@ def compute_advantages(estimator: str, inputs: AdvantageInputs, gamma: float = 1
 
     Outcome estimators (grpo, drgrpo, rloo, reinforce_plus_plus_baseline, remax) use each sample's
     score = the sum of its token rewards, and return returns == advantages (no critic to train)."""
-    if estimator not in ADV_ESTIMATORS:
-        raise ValueError(f"unknown adv_estimator {estimator!r}; expected one of {', '.join(ADV_ESTIMATORS)}")
-    if estimator in NEEDS_CRITIC and inputs.values is None:
+    needs = ADV_ESTIMATORS.meta(estimator)  # an unknown estimator raises, listing the valid ones
+    if needs.critic and inputs.values is None:
         raise ValueError(f"adv_estimator {estimator!r} needs the critic's values (AdvantageInputs.values)")
-    if estimator in NEEDS_BASELINE_ROLLOUT and inputs.baseline_scores is None:
+    if needs.baseline_rollout and inputs.baseline_scores is None:
         raise ValueError(f"adv_estimator {estimator!r} needs the greedy baseline's scores "
                          "(AdvantageInputs.baseline_scores)")
     return ADV_ESTIMATORS[estimator](inputs, gamma, lam, norm_adv_by_std)
@@ -149,7 +162,7 @@ def _per_token(per_sample: torch.Tensor, inputs: AdvantageInputs) -> tuple[torch
     return adv, adv.clone()
 
 
-@register_adv_estimator("gae")
+@ADV_ESTIMATORS.register("gae", critic=True)
 def gae_advantages(inputs: AdvantageInputs, gamma: float, lam: float, norm_adv_by_std: bool):
     """Generalised advantage estimation over the response tokens, then whitened over the batch.
 
@@ -173,19 +186,19 @@ def gae_advantages(inputs: AdvantageInputs, gamma: float, lam: float, norm_adv_b
     return masked_whiten(adv, mask), returns
 
 
-@register_adv_estimator("grpo")
+@ADV_ESTIMATORS.register("grpo", groups=True)
 def _grpo(inputs: AdvantageInputs, gamma: float, lam: float, norm_adv_by_std: bool):
     """(score - group mean) / (group std + eps); ``algorithm.norm_adv_by_std=false`` drops the std."""
     return _per_token(grpo_advantages(_scores(inputs), inputs.group_index, norm_adv_by_std), inputs)
 
 
-@register_adv_estimator("drgrpo")
+@ADV_ESTIMATORS.register("drgrpo", groups=True)
 def _drgrpo(inputs: AdvantageInputs, gamma: float, lam: float, norm_adv_by_std: bool):
     """Dr. GRPO: score - group mean, never divided by the std (pair with seq-mean-token-sum-norm)."""
     return _per_token(grpo_advantages(_scores(inputs), inputs.group_index, norm_by_std=False), inputs)
 
 
-@register_adv_estimator("rloo")
+@ADV_ESTIMATORS.register("rloo", groups=True)
 def _rloo(inputs: AdvantageInputs, gamma: float, lam: float, norm_adv_by_std: bool):
     """REINFORCE leave-one-out: score - mean of the OTHER samples of the group = n/(n-1) (score - mean)."""
     scores = _scores(inputs)
@@ -208,14 +221,14 @@ def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: f
     return out
 
 
-@register_adv_estimator("reinforce_plus_plus")
+@ADV_ESTIMATORS.register("reinforce_plus_plus")
 def _reinforce_pp(inputs: AdvantageInputs, gamma: float, lam: float, norm_adv_by_std: bool):
     """REINFORCE++: token-level discounted returns (per-token KL penalty included), whitened over the batch."""
     returns = discounted_returns(inputs.token_rewards, inputs.response_mask, gamma)
     return masked_whiten(returns, inputs.response_mask.float()), returns
 
 
-@register_adv_estimator("reinforce_plus_plus_baseline")
+@ADV_ESTIMATORS.register("reinforce_plus_plus_baseline", groups=True)
 def _reinforce_pp_baseline(inputs: AdvantageInputs, gamma: float, lam: float, norm_adv_by_std: bool):
     """REINFORCE++ with baseline: score - group mean on every response token, whitened over the batch."""
     scores = _scores(inputs)
@@ -225,7 +238,7 @@ def _reinforce_pp_baseline(inputs: AdvantageInputs, gamma: float, lam: float, no
     return adv, adv.clone()
 
 
-@register_adv_estimator("remax")
+@ADV_ESTIMATORS.register("remax", baseline_rollout=True)
 def _remax(inputs: AdvantageInputs, gamma: float, lam: float, norm_adv_by_std: bool):
     """ReMax: reward-to-go minus the reward of the greedy response to the same prompt."""
     mask = inputs.response_mask.float()
@@ -235,23 +248,33 @@ def _remax(inputs: AdvantageInputs, gamma: float, lam: float, norm_adv_by_std: b
 
 
 # --------------------------------------------------------------------------------------------- KL
-KL_ESTIMATORS = ("k1", "k2", "k3")
+# Schulman's estimators of KL(pi || pi_ref) from samples of pi: log_ratio = logp - ref -> per-token KL.
+# Two keys name one: actor.loss.kl_estimator (the loss term) and algorithm.kl_penalty (in the reward).
+KL_ESTIMATORS: Registry[Callable[[torch.Tensor], torch.Tensor]] = Registry("actor.loss.kl_estimator")
+
+
+@KL_ESTIMATORS.register("k1")
+def _k1(log_ratio):
+    return log_ratio
+
+
+@KL_ESTIMATORS.register("k2")
+def _k2(log_ratio):
+    return 0.5 * log_ratio ** 2
+
+
+@KL_ESTIMATORS.register("k3")
+def _k3(log_ratio):
+    """exp(ref - logp) - (ref - logp) - 1: unbiased and always >= 0 (the low-variance one)."""
+    # Clamped as verl does: a huge exp() from one far-off token would swamp the batch.
+    neg = (-log_ratio).clamp(-20.0, 20.0)
+    return (neg.exp() - neg - 1.0).clamp(-10.0, 10.0)
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1/k2/k3).
-
-    k3 = exp(ref - logp) - (ref - logp) - 1 is unbiased and always >= 0 (the low-variance one)."""
-    log_ratio = logprobs - ref_logprobs
-    if kind == "k1":
-        return log_ratio
-    if kind == "k2":
-        return 0.5 * log_ratio ** 2
-    if kind == "k3":
-        # Clamped as verl does: a huge exp() from one far-off token would swamp the batch.
-        neg = (-log_ratio).clamp(-20.0, 20.0)
-        return (neg.exp() - neg - 1.0).clamp(-10.0, 10.0)
-    raise ValueError(f"unknown KL estimator {kind!r}; expected one of {', '.join(KL_ESTIMATORS)}")
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi with estimator ``kind`` (k1/k2/k3)."""
+    estimator = KL_ESTIMATORS[kind]  # an unknown kind raises, listing the valid ones
+    return estimator(logprobs - ref_logprobs)
 
 
 def apply_kl_penalty(token_rewards: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
@@ -269,75 +292,65 @@ def apply_kl_penalty(token_rewards: torch.Tensor, logprobs: torch.Tensor, ref_lo
     return token_rewards - coef * kl, mean_kl
 
 
-class FixedKLController:
+# algorithm.kl_ctrl.type -> a controller class, built by kl_controller(); its ``value`` is the
+# coefficient, ``update`` runs after every step, the state is what a checkpoint keeps.
+KL_CONTROLLERS: Registry[type] = Registry("algorithm.kl_ctrl.type")
+
+
+class _KLController:
+    value: float
+
+    def state_dict(self) -> dict:
+        # Only the coefficient changes during training; target and horizon come from the job spec.
+        return {"value": float(self.value)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+
+
+@KL_CONTROLLERS.register("fixed")
+class FixedKLController(_KLController):
     """A constant in-reward KL coefficient."""
 
     def __init__(self, coef: float):
         self.value = coef
 
+    @classmethod
+    def create(cls, coef: float, target: float, horizon: int) -> "FixedKLController":
+        return cls(coef)
+
     def update(self, current_kl: float, n_steps: int) -> None:
         pass
 
 
-class AdaptiveKLController:
+@KL_CONTROLLERS.register("adaptive")
+class AdaptiveKLController(_KLController):
     """Ziegler et al. (2019): move the coefficient so the KL tracks ``target``, by at most 20% of
     ``n_steps / horizon`` per update (``n_steps``: the sequences in the batch just trained on)."""
 
     def __init__(self, init: float, target: float, horizon: int):
         self.value, self.target, self.horizon = init, target, horizon
 
+    @classmethod
+    def create(cls, coef: float, target: float, horizon: int) -> "AdaptiveKLController":
+        return cls(coef, target, horizon)
+
     def update(self, current_kl: float, n_steps: int) -> None:
         error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + error * n_steps / self.horizon
 
 
-KL_CONTROLLERS = ("fixed", "adaptive")
-
-
 def kl_controller(kind: str, coef: float, target: float, horizon: int):
     """The in-reward KL coefficient's controller named by ``algorithm.kl_ctrl.type``."""
-    if kind == "fixed":
-        return FixedKLController(coef)
-    if kind == "adaptive":
-        return AdaptiveKLController(coef, target, horizon)
-    raise ValueError(f"unknown kl_ctrl type {kind!r}; expected one of {', '.join(KL_CONTROLLERS)}")
+    return KL_CONTROLLERS[kind].create(coef, target, horizon)  # an unknown kind raises, listing the valid ones
 
 
 # --------------------------------------------------------------------------------- policy losses
-ROLLOUT_CORRECTIONS = ("none", "tis", "icepop", "seq_mask")
-
-
-@dataclass
-class LossConfig:
-    """The actor loss's knobs: the same names as the ``actor.*`` keys (``rlcore/config.py``)."""
-    policy_loss: str = "vanilla"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0  # dual_clip: the loss of a negative-advantage token is at most -A * c
-    entropy_coeff: float = 0.0
-    kl_coeff: float = 0.0  # > 0 adds the KL to the reference as a loss term
-    kl_estimator: str = "k3"
-    rollout_correction: str = "none"  # none | tis | icepop | seq_mask
-    rollout_is_threshold: float = 2.0  # tis: truncate the weight here; icepop/seq_mask: upper bound kept
-    rollout_is_threshold_low: float = 0.5  # icepop/seq_mask: lower bound kept
-
-    @classmethod
-    def from_config(cls, actor) -> "LossConfig":
-        """From an ``ActorConfig`` (or anything with the same attribute names)."""
-        return cls(**{f.name: getattr(actor, f.name) for f in fields(cls) if hasattr(actor, f.name)})
-
-
+# LossConfig (actor.loss) and CriticLossConfig (critic.loss) are defined once, in the schema
+# (rlcore/config.py), and imported above: the job spec's sections are what the losses read.
 PolicyLossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LossConfig],
                         tuple[torch.Tensor, dict[str, torch.Tensor]]]
-POLICY_LOSSES: dict[str, PolicyLossFn] = {}
-
-
-def register_policy_loss(name: str):
-    def deco(fn):
-        POLICY_LOSSES[name] = fn
-        return fn
-
-    return deco
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("actor.loss.policy_loss")
 
 
 def _clip_surrogate(ratio, advantages, cfg: LossConfig):
@@ -354,14 +367,14 @@ def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages
     return _clip_surrogate(torch.exp(logprobs - old_logprobs), advantages, cfg)
 
 
-@register_policy_loss("vanilla")
+@POLICY_LOSSES.register("vanilla")
 def _vanilla(logprobs, old_logprobs, advantages, mask, cfg):
     """PPO clip with asymmetric clip-low / clip-high (DAPO's clip-higher when high > low)."""
     loss, clipped = ppo_clip_loss(logprobs, old_logprobs, advantages, cfg)
     return loss, {"clip_frac": clipped}
 
 
-@register_policy_loss("dual_clip")
+@POLICY_LOSSES.register("dual_clip")
 def dual_clip_loss(logprobs, old_logprobs, advantages, mask, cfg):
     """Dual-clip PPO (Ye et al. 2020): for A < 0 the clipped loss is also bounded above by -A * c, so
     a huge ratio on a bad token cannot blow up the update."""
@@ -372,7 +385,7 @@ def dual_clip_loss(logprobs, old_logprobs, advantages, mask, cfg):
     return loss, {"clip_frac": clipped, "clip_frac_lower": lower_clipped}
 
 
-@register_policy_loss("gspo")
+@POLICY_LOSSES.register("gspo")
 def gspo_loss(logprobs, old_logprobs, advantages, mask, cfg):
     """GSPO (Zheng et al. 2025): one ratio per sequence, s_i = exp(mean_t (logp - old)), clipped as
     PPO clips. Per token it is written sg(s_i) * pi/sg(pi) (GSPO-token), the same value and gradient,
@@ -387,7 +400,7 @@ def gspo_loss(logprobs, old_logprobs, advantages, mask, cfg):
     return loss, {"clip_frac": clipped}
 
 
-@register_policy_loss("cispo")
+@POLICY_LOSSES.register("cispo")
 def cispo_loss(logprobs, old_logprobs, advantages, mask, cfg):
     """CISPO (MiniMax-M1): -sg(clip(r, 1-eps_low, 1+eps_high)) * A * logp. The IS weight is clipped,
     not the token's gradient: every token keeps contributing (MiniMax leaves the low side open: set
@@ -398,33 +411,47 @@ def cispo_loss(logprobs, old_logprobs, advantages, mask, cfg):
     return loss, {"clip_frac": (weight != ratio).float()}
 
 
+# actor.loss.rollout_correction: (ratio, log_ratio, mask, threshold, threshold_low) -> (weight, touched).
+ROLLOUT_CORRECTIONS: Registry[Callable] = Registry("actor.loss.rollout_correction")
+
+
+@ROLLOUT_CORRECTIONS.register("none")
+def _no_correction(ratio, log_ratio, mask, hi, lo):
+    # actor_loss skips the correction altogether; this entry makes "none" a valid name.
+    return torch.ones_like(ratio), torch.zeros_like(ratio)
+
+
+@ROLLOUT_CORRECTIONS.register("tis")
+def _tis(ratio, log_ratio, mask, hi, lo):
+    """min(ratio, threshold) per token (truncated importance sampling)."""
+    return ratio.clamp(max=hi), (ratio > hi).float()
+
+
+@ROLLOUT_CORRECTIONS.register("icepop")
+def _icepop(ratio, log_ratio, mask, hi, lo):
+    """1 if low <= ratio <= threshold else 0, per token."""
+    weight = ((ratio >= lo) & (ratio <= hi)).float()
+    return weight, 1.0 - weight
+
+
+@ROLLOUT_CORRECTIONS.register("seq_mask")
+def _seq_mask(ratio, log_ratio, mask, hi, lo):
+    """1 for a whole sequence if low <= its geometric-mean ratio <= threshold else 0."""
+    seq_ratio = torch.exp(log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1))
+    weight = ((seq_ratio >= lo) & (seq_ratio <= hi)).float().expand_as(ratio)
+    return weight, 1.0 - weight
+
+
 def rollout_correction_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
                                cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token weights that correct for the rollout engine sampling from a slightly different
     distribution than the trainer's old policy: (weight [B,S] (no gradient), ratio pi_old/pi_rollout,
-    1 where the token was truncated or masked out).
-
-     - tis:      min(ratio, threshold) per token (truncated importance sampling)
-     - icepop:   1 if low <= ratio <= threshold else 0, per token
-     - seq_mask: 1 for a whole sequence if low <= its geometric-mean ratio <= threshold else 0
-    """
+    1 where the token was truncated or masked out), by ``ROLLOUT_CORRECTIONS[cfg.rollout_correction]``."""
+    correction = ROLLOUT_CORRECTIONS[cfg.rollout_correction]  # an unknown one raises, listing the valid ones
     mask = mask.float()
     log_ratio = (old_logprobs - rollout_logprobs).detach() * mask
     ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
-    hi, lo = cfg.rollout_is_threshold, cfg.rollout_is_threshold_low
-    kind = cfg.rollout_correction
-    if kind == "tis":
-        weight = ratio.clamp(max=hi)
-        touched = (ratio > hi).float()
-    elif kind == "icepop":
-        weight = ((ratio >= lo) & (ratio <= hi)).float()
-        touched = 1.0 - weight
-    elif kind == "seq_mask":
-        seq_ratio = torch.exp(log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1))
-        weight = ((seq_ratio >= lo) & (seq_ratio <= hi)).float().expand_as(ratio)
-        touched = 1.0 - weight
-    else:
-        raise ValueError(f"unknown rollout_correction {kind!r}; expected one of {', '.join(ROLLOUT_CORRECTIONS)}")
+    weight, touched = correction(ratio, log_ratio, mask, cfg.rollout_is_threshold, cfg.rollout_is_threshold_low)
     return weight * mask, ratio * mask, touched * mask
 
 
@@ -447,8 +474,6 @@ def actor_loss(logprobs: torch.Tensor, entropy: torch.Tensor, batch, cfg: LossCo
     mask = batch["response_mask"]
     weights = batch["loss_weights"]
     old = batch["old_logprobs"]
-    if cfg.policy_loss not in POLICY_LOSSES:
-        raise ValueError(f"unknown policy_loss {cfg.policy_loss!r}; expected one of {', '.join(POLICY_LOSSES)}")
     pg_mat, pg_stats = POLICY_LOSSES[cfg.policy_loss](logprobs, old, batch["advantages"], mask, cfg)
 
     def agg(x):
@@ -480,11 +505,6 @@ def actor_loss(logprobs: torch.Tensor, entropy: torch.Tensor, batch, cfg: LossCo
 
 
 # ----------------------------------------------------------------------------------- value loss
-@dataclass
-class CriticLossConfig:
-    cliprange_value: float = 0.5  # the new value may move at most this far from the old one (per token)
-
-
 def critic_loss(values: torch.Tensor, batch, cfg: CriticLossConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped value loss for one micro-batch: 0.5 * max((v - R)^2, (clip(v, v_old +- c) - R)^2),
     aggregated with ``batch["loss_weights"]`` (additive like ``actor_loss``). ``batch`` holds

@@ -2,10 +2,12 @@
 
 Every YAML job spec and every ``key.sub=value`` override is merged onto these dataclasses (OmegaConf
 structured configs do the merging and type checks), then ``validate`` checks what types cannot:
-files, pools, layouts that must divide. Loading and validation live in ``rlcore/job.py``.
+files, pools, layouts that must divide. Loading lives in ``rlcore/job.py``, validation in
+``rlcore/validate.py``.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -44,6 +46,32 @@ class OptimConfig:
 
 
 @dataclass
+class LossConfig:
+    """The actor loss's knobs (``actor.loss``): what ``rlcore.algos.actor_loss`` reads on the workers.
+    The job spec's section is this dataclass itself, and the workers receive it as it is."""
+    policy_loss: str = "vanilla"  # vanilla (PPO clip) | dual_clip | gspo | cispo
+    clip_ratio_low: float = 0.2  # the ratio is clipped below at 1 - clip_ratio_low
+    clip_ratio_high: float = 0.2  # ... and above at 1 + clip_ratio_high (DAPO's clip-higher: 0.28)
+    clip_ratio_c: float = 3.0  # dual_clip: a negative-advantage token's loss is at most -A * clip_ratio_c
+    entropy_coeff: float = 0.0  # weight of the entropy bonus (subtracted from the loss)
+    kl_coeff: float = 0.001  # weight of KL(actor || reference) as a loss term; 0 turns the term off
+    kl_estimator: str = "k3"  # k1 | k2 | k3 (the KL loss term's estimator)
+    # Correction for the rollout engine sampling from a slightly different distribution than the trainer:
+    # none | tis (truncated IS weight pi_old/pi_rollout per token) | icepop (mask tokens whose ratio is
+    # outside [rollout_is_threshold_low, rollout_is_threshold]) | seq_mask (mask whole sequences whose
+    # geometric-mean ratio is outside it)
+    rollout_correction: str = "none"
+    rollout_is_threshold: float = 2.0  # tis: the truncation; icepop/seq_mask: the upper bound
+    rollout_is_threshold_low: float = 0.5  # icepop/seq_mask: the lower bound
+
+
+@dataclass
+class CriticLossConfig:
+    """The critic loss's knobs (``critic.loss``): what ``rlcore.algos.critic_loss`` reads."""
+    cliprange_value: float = 0.5  # a value may move at most this far from its old value per update
+
+
+@dataclass
 class ActorConfig:
     pool: str = "actor"
     tp: int = 1
@@ -56,24 +84,12 @@ class ActorConfig:
     # None: the whole data.batch_size, one step per epoch. Must divide data.batch_size.
     ppo_mini_batch_size: Optional[int] = None
     ppo_epochs: int = 1  # passes over each rollout batch (each pass: batch_size / ppo_mini_batch_size steps)
-    policy_loss: str = "vanilla"  # vanilla (PPO clip) | dual_clip | gspo | cispo
-    clip_ratio_low: float = 0.2  # the ratio is clipped below at 1 - clip_ratio_low
-    clip_ratio_high: float = 0.2  # ... and above at 1 + clip_ratio_high (DAPO's clip-higher: 0.28)
-    clip_ratio_c: float = 3.0  # dual_clip: a negative-advantage token's loss is at most -A * clip_ratio_c
-    entropy_coeff: float = 0.0  # weight of the entropy bonus (subtracted from the loss)
-    kl_coeff: float = 0.001  # weight of KL(actor || reference) as a loss term; 0 turns the term off
-    kl_estimator: str = "k3"  # k1 | k2 | k3 (the KL loss term's estimator)
     # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (Dr.GRPO, divides
-    # by rollout.max_response_length); always normalised over the whole mini-batch
+    # by rollout.max_response_length); always normalised over the whole mini-batch. Not under loss:
+    # the controller applies it (as per-token loss weights) before the batch reaches the workers.
     loss_agg_mode: str = "token-mean"
-    # Correction for the rollout engine sampling from a slightly different distribution than the trainer:
-    # none | tis (truncated IS weight pi_old/pi_rollout per token) | icepop (mask tokens whose ratio is
-    # outside [rollout_is_threshold_low, rollout_is_threshold]) | seq_mask (mask whole sequences whose
-    # geometric-mean ratio is outside it)
-    rollout_correction: str = "none"
-    rollout_is_threshold: float = 2.0  # tis: the truncation; icepop/seq_mask: the upper bound
-    rollout_is_threshold_low: float = 0.5  # icepop/seq_mask: the lower bound
     use_rollout_logprobs: bool = False  # the engine's log-probs are the old log-probs: no recompute pass
+    loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 
@@ -89,15 +105,19 @@ class ReferenceConfig:
 @dataclass
 class CriticConfig:
     """The value model of PPO (megatron_workers/value_head.py). It exists exactly when the advantage
-    estimator needs values (algorithm.adv_estimator=gae, rlcore.algos.NEEDS_CRITIC); otherwise this
-    section is ignored."""
+    estimator needs values (algorithm.adv_estimator=gae: rlcore.algos.ADV_ESTIMATORS.meta(name).critic);
+    otherwise this section is ignored."""
     pool: str = "critic"  # its own pool by default; the actor's pool to time-share the actor's GPUs
     model_path: Optional[str] = None  # HF folder; default model.path (the value head then starts from the seed)
     tp: int = 1
     pp: int = 1
     vpp: int = 1  # virtual pipeline stages per PP rank, as actor.vpp
     micro_batch_size: int = 4  # sequences per forward/backward micro-batch, per DP rank
-    cliprange_value: float = 0.5  # a value may move at most this far from its old value per update
+    # The critic's own updates; None: the actor's value (resolved_critic below fills them in).
+    ppo_mini_batch_size: Optional[int] = None  # prompts per critic optimizer step; must divide data.batch_size
+    ppo_epochs: Optional[int] = None  # passes over each rollout batch
+    loss_agg_mode: Optional[str] = None  # as actor.loss_agg_mode
+    loss: CriticLossConfig = field(default_factory=CriticLossConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
 
 
@@ -210,3 +230,20 @@ class JobConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+# Keys that moved into a loss section: the old dotted key -> the new one (``rlcore/job.py`` refuses the
+# old ones with a sentence naming the new, from a job file and from an override alike).
+MOVED_KEYS = {**{f"actor.{f.name}": f"actor.loss.{f.name}" for f in dataclasses.fields(LossConfig)},
+              **{f"critic.{f.name}": f"critic.loss.{f.name}" for f in dataclasses.fields(CriticLossConfig)}}
+
+
+def resolved_critic(cfg: JobConfig) -> CriticConfig:
+    """The critic section with what it inherits filled in: ``ppo_epochs``, ``ppo_mini_batch_size`` and
+    ``loss_agg_mode`` left None are the actor's. The one place these defaults are resolved: validation,
+    ``rlx plan`` and the trainer all read the critic through it."""
+    c, a = cfg.critic, cfg.actor
+    return dataclasses.replace(
+        c, ppo_epochs=a.ppo_epochs if c.ppo_epochs is None else c.ppo_epochs,
+        ppo_mini_batch_size=a.ppo_mini_batch_size if c.ppo_mini_batch_size is None else c.ppo_mini_batch_size,
+        loss_agg_mode=a.loss_agg_mode if c.loss_agg_mode is None else c.loss_agg_mode)

@@ -4,7 +4,7 @@ A reward function has verl's signature ``fn(data_source, solution_str, ground_tr
 returns a number (float/int/bool) or a dict with a ``"score"`` key; the dict's other numeric entries are
 averaged into the step's metrics as ``reward/<key>``.
 
-This module does not import ``rlcore.job`` (which imports it to validate ``reward.function``): its
+This module does not import ``rlcore.validate`` (which imports it to validate ``reward.function``): its
 errors are ``RewardError`` and the validator turns a bad spec into a ``ConfigError``.
 """
 from __future__ import annotations

@@ -13,12 +13,11 @@ import time
 
 import torch
 
-from rlcore import algos, checkpoint
-from rlcore.algos import (AdvantageInputs, CriticLossConfig, LossConfig, apply_kl_penalty, compute_advantages,
-                          explained_variance, groups_with_variance, kl_controller, last_token_rewards,
-                          loss_weights, overlong_penalty)
+from rlcore import checkpoint
+from rlcore.algos import (ADV_ESTIMATORS, AdvantageInputs, apply_kl_penalty, compute_advantages, explained_variance,
+                          groups_with_variance, kl_controller, last_token_rewards, loss_weights, overlong_penalty)
 from rlcore.batch import Batch, Trajectory, build_batch
-from rlcore.config import JobConfig
+from rlcore.config import JobConfig, resolved_critic
 from rlcore.data import PromptItem, Task
 from rlcore.metrics import MetricsLogger, timer
 from rlcore.reward import RewardError, compute_rewards
@@ -46,8 +45,6 @@ class Trainer:
         self.cfg, self.task, self.roles = cfg, task, roles
         self.actor, self.reference, self.critic, self.rollout = roles.actor, roles.reference, roles.critic, roles.rollout
         self.tokenizer, self.reward_fn, self.loader, self.val_set = task.tokenizer, task.reward_fn, task.loader, task.val_set
-        self.loss_cfg = LossConfig.from_config(cfg.actor)
-        self.critic_loss_cfg = CriticLossConfig(cfg.critic.cliprange_value)
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon) if cfg.algorithm.kl_in_reward else None
         self.version = 0  # the engines start from the same HF checkpoint as the actor
@@ -92,10 +89,9 @@ class Trainer:
         if self.critic is not None:
             with timer("critic_update", m):
                 batch["old_values"] = batch["values"]  # the anchor of the clipped value loss
-                m.update(self.train_role(self.critic, batch, self.critic_loss_cfg, "token-mean"))
+                m.update(self.train_role(self.critic, batch, resolved_critic(cfg)))
         with timer("update", m):
-            m.update(self.train_role(self.actor, batch, self.loss_cfg, cfg.actor.loss_agg_mode,
-                                     temperature=temperature))
+            m.update(self.train_role(self.actor, batch, cfg.actor, temperature=temperature))
         with timer("weight_sync", m):
             self.sync_weights(self.version + 1)
         m.update(batch_metrics(batch, s.trajs, s.scores))
@@ -145,7 +141,7 @@ class Trainer:
 
     def with_baseline(self, s: Samples, m: dict) -> Samples:
         """ReMax's baseline: the score of each prompt's greedy response, given to its samples."""
-        if self.cfg.algorithm.adv_estimator not in algos.NEEDS_BASELINE_ROLLOUT:
+        if not ADV_ESTIMATORS.meta(self.cfg.algorithm.adv_estimator).baseline_rollout:
             return s
         with timer("baseline_rollout", m):
             greedy = self.rollout.generate([p.prompt_ids for p in s.prompts], n=1, temperature=0.0, top_p=1.0,
@@ -186,19 +182,19 @@ class Trainer:
             m["critic/vf_explained_var"] = explained_variance(batch["values"], batch["returns"], mask)
         return m
 
-    def train_role(self, role, batch: Batch, loss_cfg, agg_mode: str, **head_args) -> dict[str, float]:
-        """actor.ppo_epochs passes over ``batch`` in mini-batches of actor.ppo_mini_batch_size prompts,
-        one optimizer step each; the loss weights are normalised over each mini-batch. Returns the
-        metrics averaged over the steps."""
-        a = self.cfg.actor
-        rows = (a.ppo_mini_batch_size or self.cfg.data.batch_size) * self.cfg.rollout.n
+    def train_role(self, role, batch: Batch, role_cfg, **head_args) -> dict[str, float]:
+        """``role_cfg.ppo_epochs`` passes over ``batch`` in mini-batches of ``role_cfg.ppo_mini_batch_size``
+        prompts (``role_cfg``: cfg.actor, or resolved_critic(cfg)), one optimizer step each with
+        ``role_cfg.loss``; the loss weights (``role_cfg.loss_agg_mode``) are normalised over each
+        mini-batch. Returns the metrics averaged over the steps."""
+        rows = (role_cfg.ppo_mini_batch_size or self.cfg.data.batch_size) * self.cfg.rollout.n
         totals: dict[str, float] = {}
         n_steps = 0
-        for _ in range(a.ppo_epochs):
+        for _ in range(role_cfg.ppo_epochs):
             for mini in batch.split(rows):
-                mini["loss_weights"] = loss_weights(mini["response_mask"], agg_mode,
+                mini["loss_weights"] = loss_weights(mini["response_mask"], role_cfg.loss_agg_mode,
                                                     self.cfg.rollout.max_response_length)
-                for k, v in role.update(mini, loss_cfg, **head_args).items():
+                for k, v in role.update(mini, role_cfg.loss, **head_args).items():
                     totals[k] = totals.get(k, 0.0) + v
                 n_steps += 1
         return {k: v / n_steps for k, v in totals.items()}
@@ -230,7 +226,7 @@ class Trainer:
         """What the controller must restore to continue exactly after ``step``."""
         state = {"step": step, "weight_version": self.version, "loader": self.loader.state_dict()}
         if self.kl_ctrl is not None:
-            state["kl_controller"] = {"value": float(self.kl_ctrl.value)}
+            state["kl_controller"] = self.kl_ctrl.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -241,7 +237,7 @@ class Trainer:
             raise checkpoint.CheckpointError(f"{checkpoint.CONTROLLER}: the checkpoint has an in-reward KL "
                                              "controller, the job has none (algorithm.kl_in_reward)")
         if kl is not None:
-            self.kl_ctrl.value = kl["value"]
+            self.kl_ctrl.load_state_dict(kl)
 
     def resume(self) -> int:
         """Continues from a checkpoint per ``trainer.resume``: the roles' weights and optimizers, the

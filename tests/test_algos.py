@@ -7,13 +7,15 @@ import statistics
 import pytest
 import torch
 
-from rlcore.algos import (ADV_ESTIMATORS, AGG_MODES, POLICY_LOSSES, AdaptiveKLController, AdvantageInputs,
-                          CriticLossConfig, FixedKLController, LossConfig, actor_loss, aggregate, apply_kl_penalty,
+from rlcore.algos import (ADV_ESTIMATORS, AGG_MODES, KL_CONTROLLERS, KL_ESTIMATORS, POLICY_LOSSES,
+                          ROLLOUT_CORRECTIONS, AdaptiveKLController, AdvantageInputs, CriticLossConfig,
+                          EstimatorNeeds, FixedKLController, LossConfig, actor_loss, aggregate, apply_kl_penalty,
                           compute_advantages, critic_loss, explained_variance, groups_with_variance,
                           grpo_advantages, kl_controller, kl_estimate, last_token_rewards, loss_weights,
                           overlong_penalty, ppo_clip_loss)
 from rlcore.batch import Batch
 from rlcore.config import ActorConfig
+from rlcore.registry import DuplicateNameError, Registry, UnknownNameError
 
 EPS = 1e-6  # grpo_advantages' default epsilon
 
@@ -37,6 +39,55 @@ def test_names_are_the_ones_users_type():
                                             "reinforce_plus_plus_baseline", "remax"])
     assert sorted(POLICY_LOSSES) == ["cispo", "dual_clip", "gspo", "vanilla"]
     assert list(AGG_MODES) == ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+# ------------------------------------------------------------------------------------- registries
+def test_a_registry_refuses_a_second_entry_of_the_same_name():
+    reg = Registry("algorithm.adv_estimator", meta=EstimatorNeeds)
+    reg.add("mine", len, groups=True)
+    with pytest.raises(DuplicateNameError, match="'mine' is already registered"):
+        reg.register("mine")(max)
+    assert reg["mine"] is len  # the first entry stays
+    with pytest.raises(DuplicateNameError):
+        ADV_ESTIMATORS.register("grpo")(len)  # the built-in ones too
+    assert ADV_ESTIMATORS["grpo"] is not len
+
+
+def test_an_unknown_name_lists_the_valid_ones_with_the_config_key():
+    with pytest.raises(UnknownNameError) as info:
+        POLICY_LOSSES["dpo"]
+    assert str(info.value) == "actor.loss.policy_loss='dpo' is not one of: vanilla, dual_clip, gspo, cispo"
+    assert isinstance(info.value, KeyError) and isinstance(info.value, ValueError)
+    assert "dpo" not in POLICY_LOSSES and POLICY_LOSSES.get("dpo") is None and len(POLICY_LOSSES) == 4
+    with pytest.raises(ValueError, match="algorithm.kl_penalty='k4' is not one of: k1, k2, k3"):
+        KL_ESTIMATORS.check("k4", key="algorithm.kl_penalty")
+    with pytest.raises(TypeError):  # a misspelt declaration is an error, not a silent default
+        Registry("x", meta=EstimatorNeeds).add("y", len, critc=True)
+
+
+def test_estimators_declare_what_they_need():
+    needs = {name: ADV_ESTIMATORS.meta(name) for name in ADV_ESTIMATORS}
+    assert {n for n, d in needs.items() if d.critic} == {"gae"}
+    assert {n for n, d in needs.items() if d.baseline_rollout} == {"remax"}
+    assert {n for n, d in needs.items() if d.groups} == {"grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline"}
+    assert ADV_ESTIMATORS.meta("reinforce_plus_plus") == EstimatorNeeds()
+
+
+def test_every_table_of_names_is_a_registry():
+    for reg in (ADV_ESTIMATORS, POLICY_LOSSES, AGG_MODES, KL_ESTIMATORS, KL_CONTROLLERS, ROLLOUT_CORRECTIONS):
+        assert isinstance(reg, Registry)
+    assert list(KL_CONTROLLERS) == ["fixed", "adaptive"]
+    assert list(ROLLOUT_CORRECTIONS) == ["none", "tis", "icepop", "seq_mask"]
+
+
+def test_kl_controllers_keep_their_coefficient_in_a_state_dict():
+    for ctrl in (kl_controller("fixed", 0.3, 0.1, 100), kl_controller("adaptive", 0.1, 0.05, 100)):
+        ctrl.update(current_kl=0.06, n_steps=10)
+        state = ctrl.state_dict()
+        assert state == {"value": ctrl.value}
+        fresh = kl_controller(type(ctrl).__name__.removesuffix("KLController").lower(), 1.0, 0.05, 100)
+        fresh.load_state_dict(state)
+        assert fresh.value == ctrl.value
 
 
 # ------------------------------------------------------------------------------------ aggregation
@@ -336,7 +387,7 @@ def _on_policy_batch(mode: str, advantages, masks, norm_length=4):
 def test_pg_loss_per_agg_mode_hand_computed(mode, expected):
     # On-policy (ratio 1): the surrogate is -A per token. Row 0: A = 1, 5; row 1: A = 2.
     logprobs, entropy, batch = _on_policy_batch(mode, [[1.0, 5.0], [2.0]], [[0, 1, 1], [0, 1, 0]])
-    loss, metrics = actor_loss(logprobs, entropy, batch, LossConfig())
+    loss, metrics = actor_loss(logprobs, entropy, batch, LossConfig(kl_coeff=0.0))
     assert metrics["actor/pg_loss"].item() == pytest.approx(expected)
     assert loss.item() == pytest.approx(expected)
 
@@ -345,7 +396,7 @@ def test_actor_loss_needs_loss_weights():
     logprobs, entropy, batch = _on_policy_batch("token-mean", [[1.0, 5.0], [2.0]], [[0, 1, 1], [0, 1, 0]])
     del batch["loss_weights"]
     with pytest.raises(KeyError, match="loss_weights"):
-        actor_loss(logprobs, entropy, batch, LossConfig())
+        actor_loss(logprobs, entropy, batch, LossConfig(kl_coeff=0.0))
 
 
 # Engine-vs-trainer ratios pi_old / pi_rollout: row 0 tokens 3.0, 1.5, 0.25 (geometric mean
@@ -363,7 +414,7 @@ def test_rollout_correction_weights_the_pg_loss(kind, weights, touched):
     logprobs, entropy, batch = _on_policy_batch("token-mean", [[1.0] * 3, [1.0]], IS_MASKS)
     batch["rollout_logprobs"] = batch["old_logprobs"] - scatter([[math.log(r) for r in row] for row in IS_RATIOS],
                                                                 IS_MASKS)
-    cfg = LossConfig(rollout_correction=kind, rollout_is_threshold=2.0, rollout_is_threshold_low=0.5)
+    cfg = LossConfig(rollout_correction=kind, rollout_is_threshold=2.0, rollout_is_threshold_low=0.5, kl_coeff=0.0)
     _, metrics = actor_loss(logprobs, entropy, batch, cfg)
     # A = 1 and ratio 1: the surrogate is -1 per token, times the weight; token-mean over 4 tokens.
     assert metrics["actor/pg_loss"].item() == pytest.approx(-sum(sum(r) for r in weights) / 4)
@@ -382,10 +433,15 @@ def test_kl_loss_term_and_entropy_bonus():
     assert loss.item() == pytest.approx(-8 / 3 - 0.1 * 0.6 + 0.5 * 0.5 / 3)
 
 
-def test_loss_config_from_actor_config_takes_every_knob():
-    actor = ActorConfig(policy_loss="dual_clip", clip_ratio_c=5.0, rollout_correction="tis", kl_coeff=0.0)
-    cfg = LossConfig.from_config(actor)
+def test_the_actor_loss_section_is_the_loss_config_the_workers_get():
+    from rlcore import config
+
+    assert LossConfig is config.LossConfig and CriticLossConfig is config.CriticLossConfig  # defined once
+    actor = ActorConfig(loss=LossConfig(policy_loss="dual_clip", clip_ratio_c=5.0, rollout_correction="tis",
+                                        kl_coeff=0.0))
+    cfg = actor.loss
     assert (cfg.policy_loss, cfg.clip_ratio_c, cfg.rollout_correction, cfg.kl_coeff) == ("dual_clip", 5.0, "tis", 0.0)
+    assert ActorConfig().loss.kl_coeff == LossConfig().kl_coeff == 0.001  # one default per key
 
 
 # ----------------------------------------------------------------------- normalisation contract
@@ -452,7 +508,7 @@ def test_one_chunk_loss_is_the_global_token_mean():
 def test_on_policy_ratio_is_one_and_ppo_kl_and_clip_frac_are_zero():
     logprobs, entropy, batch = _random_batch()
     batch["old_logprobs"] = logprobs.clone()
-    cfg = LossConfig()
+    cfg = LossConfig(kl_coeff=0.0)
     loss, metrics = actor_loss(logprobs, entropy, batch, cfg)
     mask = batch["response_mask"]
     assert metrics["actor/ppo_kl"].item() == 0.0

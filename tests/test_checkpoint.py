@@ -95,7 +95,8 @@ def test_trim_metrics_drops_steps_after_the_checkpoint(tmp_path):
 
 
 def test_bad_resume_and_save_keys_are_config_errors():
-    from rlcore.job import ConfigError, load_job, validate
+    from rlcore.job import ConfigError, load_job
+    from rlcore.validate import validate
 
     with pytest.raises(ConfigError, match="trainer.resume='/no/such/ckpt' is neither auto, never nor"):
         validate(load_job("yaml_configs/quickstart_cpu.yaml", ["trainer.resume=/no/such/ckpt"]))
@@ -203,8 +204,9 @@ def tp1pp2_resumed(assets, reference_run, tmp_path_factory):
 
     import ray
 
-    from rlcore.job import load_job, validate
     from launch.compose import build_trainer
+    from rlcore.job import load_job
+    from rlcore.validate import validate
 
     model, data = assets
     ckpt = reference_run / "checkpoints" / "step_00000003"

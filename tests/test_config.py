@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from rlcore.config import JobConfig
-from rlcore.job import ConfigError, JobLayout, RoleLayout, RolloutLayout, load_job, validate
+from rlcore.job import ConfigError, load_job
+from rlcore.layout import RoleLayout, RolloutLayout
+from rlcore.validate import JobLayout, validate
 
 # A small Llama-shaped model: head_dim 64 (supported by the vLLM CPU kernel), 2 KV groups.
 MODEL_CONFIG = {
@@ -15,6 +17,7 @@ MODEL_CONFIG = {
     "num_key_value_heads": 2,
     "num_hidden_layers": 2,
     "hidden_size": 256,
+    "intermediate_size": 512,
     "vocab_size": 128,
     "max_position_embeddings": 1024,
 }
@@ -83,6 +86,28 @@ def test_load_job_merges_file_then_overrides_into_a_real_jobconfig(files):
     assert cfg.data.train_files == ["a.jsonl", "b.parquet"]
 
 
+@pytest.mark.parametrize("old, new", [("actor.kl_coeff", "actor.loss.kl_coeff"),
+                                      ("actor.clip_ratio_high", "actor.loss.clip_ratio_high"),
+                                      ("actor.rollout_correction", "actor.loss.rollout_correction"),
+                                      ("critic.cliprange_value", "critic.loss.cliprange_value")])
+def test_keys_that_moved_into_a_loss_section_name_their_new_place(tmp_path, old, new):
+    section, name = old.split(".")
+    spec = tmp_path / "job.yaml"
+    spec.write_text(f"model:\n  path: /m\n{section}:\n  tp: 1\n  {name}: 0.1\n")
+    message = load_error(spec)
+    assert message == f"job file {spec} (line 5): {old} moved to {new}"
+    assert load_error(None, "model.path=/m", f"{old}=0.1") == f"override '{old}=0.1': {old} moved to {new}"
+
+
+def test_the_loss_sections_are_the_loss_dataclasses():
+    from rlcore.algos import CriticLossConfig, LossConfig
+
+    cfg = load_job(None, ["model.path=/m", "actor.loss.clip_ratio_high=0.28"])
+    assert type(cfg.actor.loss) is LossConfig and type(cfg.critic.loss) is CriticLossConfig
+    assert cfg.actor.loss == LossConfig(clip_ratio_high=0.28)
+    assert cfg.actor.loss.kl_coeff == 0.001  # one default, the user-facing one
+
+
 def test_missing_job_file(tmp_path):
     assert_in(load_error(tmp_path / "nope.yaml"), "job file", "nope.yaml", "not found")
 
@@ -114,7 +139,7 @@ def test_unknown_key_in_override_names_the_override_and_suggestion():
 @pytest.mark.parametrize("override, expected", [
     ("actor.tp=abc", "actor.tp='abc' has the wrong type, expected an integer"),
     ("rollout.n=2.5", "rollout.n=2.5 has the wrong type, expected an integer"),
-    ("actor.kl_coeff=x", "actor.kl_coeff='x' has the wrong type, expected a number"),
+    ("actor.loss.kl_coeff=x", "actor.loss.kl_coeff='x' has the wrong type, expected a number"),
     ("data.shuffle=maybe", "data.shuffle='maybe' has the wrong type, expected a boolean"),
     ("data.train_files=a.jsonl", "data.train_files='a.jsonl' has the wrong type, expected a list of strings"),
     ("resources.pools.actor=two", "resources.pools.actor='two' has the wrong type, expected an integer"),
@@ -154,7 +179,7 @@ def test_valid_spec_resolves_the_layout(files):
 
 def test_reference_only_when_kl_coeff_positive(files):
     # With no KL term the reference settings are not used, so they are not checked either.
-    layout = validate(job(files, "actor.kl_coeff=0", "reference.pool=nowhere"))
+    layout = validate(job(files, "actor.loss.kl_coeff=0", "reference.pool=nowhere"))
     assert layout.reference is None
 
 
@@ -255,6 +280,22 @@ def test_actor_tp_must_divide_kv_heads(files):
               "actor.tp=4 does not divide the model's 2 key-value heads", "num_key_value_heads")
 
 
+def test_actor_tp_must_divide_intermediate_size(files):
+    # Heads, KV heads and vocabulary divide by 2; the MLP's 510 columns would not split over TP=4.
+    make_model(files["model"], num_attention_heads=8, hidden_size=512, num_key_value_heads=4, intermediate_size=510)
+    assert_in(validate_error(files, "resources.pools.actor=4", "actor.tp=4"),
+              "actor.tp=4 does not divide the model's intermediate_size=510", "config.json: intermediate_size")
+
+
+def test_what_the_megatron_model_cannot_reproduce_is_refused_here(files):
+    make_model(files["model"], hidden_act="gelu")
+    assert_in(validate_error(files), "config.json: hidden_act 'gelu' is not supported")
+    make_model(files["model"], rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    assert_in(validate_error(files), "config.json: RoPE type 'yarn' is not supported")
+    make_model(files["model"], architectures=["GPT2LMHeadModel"])
+    assert_in(validate_error(files), "architectures ['GPT2LMHeadModel'] are not supported")
+
+
 def test_actor_tp_must_divide_vocab(files):
     make_model(files["model"], vocab_size=129)
     assert_in(validate_error(files, "actor.tp=2"),
@@ -346,12 +387,15 @@ def test_grpo_needs_groups_of_two(files):
 @pytest.mark.parametrize("override, expected", [
     ("algorithm.adv_estimator=gae2", "algorithm.adv_estimator='gae2' is not one of: gae, grpo, drgrpo, rloo, "
      "reinforce_plus_plus, reinforce_plus_plus_baseline, remax"),
-    ("actor.policy_loss=dpo", "actor.policy_loss='dpo' is not one of: vanilla, dual_clip, gspo, cispo"),
-    ("actor.kl_estimator=k4", "actor.kl_estimator='k4' is not one of: k1, k2, k3"),
+    ("actor.loss.policy_loss=dpo", "actor.loss.policy_loss='dpo' is not one of: vanilla, dual_clip, gspo, cispo"),
+    ("actor.loss.kl_estimator=k4", "actor.loss.kl_estimator='k4' is not one of: k1, k2, k3"),
     ("rollout.weight_transport=tcp", "rollout.weight_transport='tcp' is not one of: auto, shm, broadcast"),
     ("actor.loss_agg_mode=seq-mean", "actor.loss_agg_mode='seq-mean' is not one of: token-mean, seq-mean-token-sum, "
      "seq-mean-token-mean, seq-mean-token-sum-norm"),
-    ("actor.rollout_correction=is", "actor.rollout_correction='is' is not one of: none, tis, icepop, seq_mask"),
+    ("critic.loss_agg_mode=seq-mean", "critic.loss_agg_mode='seq-mean' is not one of: token-mean, "
+     "seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm"),
+    ("actor.loss.rollout_correction=is",
+     "actor.loss.rollout_correction='is' is not one of: none, tis, icepop, seq_mask"),
     ("algorithm.kl_penalty=kl", "algorithm.kl_penalty='kl' is not one of: k1, k2, k3"),
     ("algorithm.kl_ctrl.type=pid", "algorithm.kl_ctrl.type='pid' is not one of: fixed, adaptive"),
 ])
@@ -376,7 +420,7 @@ def test_dynamic_sampling_needs_groups(files):
 
 
 def test_reference_for_kl_in_reward(files):
-    layout = validate(job(files, "actor.kl_coeff=0", "algorithm.kl_in_reward=true"))
+    layout = validate(job(files, "actor.loss.kl_coeff=0", "algorithm.kl_in_reward=true"))
     assert layout.reference == RoleLayout(pool="actor", gpus=2, tp=1, pp=1, dp=2)
 
 
@@ -393,16 +437,17 @@ def test_ppo_mini_batch_must_split_into_micro_batches(files):
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    (["actor.policy_loss=dual_clip", "actor.clip_ratio_c=1.0"], "actor.clip_ratio_c=1.0 must be above 1"),
-    (["actor.rollout_correction=icepop", "actor.rollout_is_threshold_low=3"],
-     "actor.rollout_is_threshold_low=3.0 must be below actor.rollout_is_threshold=2.0"),
-    (["actor.rollout_correction=tis", "actor.use_rollout_logprobs=true"], "actor.use_rollout_logprobs=true"),
+    (["actor.loss.policy_loss=dual_clip", "actor.loss.clip_ratio_c=1.0"],
+     "actor.loss.clip_ratio_c=1.0 must be above 1"),
+    (["actor.loss.rollout_correction=icepop", "actor.loss.rollout_is_threshold_low=3"],
+     "actor.loss.rollout_is_threshold_low=3.0 must be below actor.loss.rollout_is_threshold=2.0"),
+    (["actor.loss.rollout_correction=tis", "actor.use_rollout_logprobs=true"], "actor.use_rollout_logprobs=true"),
     (["algorithm.gamma=1.5"], "algorithm.gamma=1.5 must be in [0, 1]"),
     (["algorithm.lam=-0.1"], "algorithm.lam=-0.1 must be in [0, 1]"),
     (["algorithm.overlong_buffer.enable=true", "algorithm.overlong_buffer.len=300"],
      "algorithm.overlong_buffer.len=300 exceeds rollout.max_response_length=256"),
     (["algorithm.kl_ctrl.kl_coef=-1"], "algorithm.kl_ctrl.kl_coef=-1.0 must not be negative"),
-    (["actor.entropy_coeff=-0.01"], "actor.entropy_coeff=-0.01 must not be negative"),
+    (["actor.loss.entropy_coeff=-0.01"], "actor.loss.entropy_coeff=-0.01 must not be negative"),
 ])
 def test_algorithm_knob_ranges(files, overrides, expected):
     assert_in(validate_error(files, *overrides), expected)
@@ -426,7 +471,7 @@ def test_reward_function_must_resolve(files):
     ("actor.tp=0", "actor.tp=0"),
     ("actor.ppo_epochs=0", "actor.ppo_epochs=0"),
     ("actor.ppo_mini_batch_size=0", "actor.ppo_mini_batch_size=0"),
-    ("actor.rollout_is_threshold=0", "actor.rollout_is_threshold=0.0"),
+    ("actor.loss.rollout_is_threshold=0", "actor.loss.rollout_is_threshold=0.0"),
     ("algorithm.dynamic_sampling.max_gen_batches=0", "algorithm.dynamic_sampling.max_gen_batches=0"),
     ("algorithm.kl_ctrl.type=adaptive algorithm.kl_ctrl.target_kl=0", "algorithm.kl_ctrl.target_kl=0.0"),
 ])
@@ -440,7 +485,7 @@ def test_top_p_range(files, top_p):
 
 
 def test_negative_kl_coeff(files):
-    assert_in(validate_error(files, "actor.kl_coeff=-0.1"), "actor.kl_coeff=-0.1", "must not be negative")
+    assert_in(validate_error(files, "actor.loss.kl_coeff=-0.1"), "actor.loss.kl_coeff=-0.1", "must not be negative")
 
 
 # ------------------------------------------------------------------------------------------ critic
@@ -457,7 +502,7 @@ def test_critic_only_for_estimators_that_need_values(files):
 def test_critic_defaults():
     cfg = load_job(None, ["model.path=x"])
     assert (cfg.critic.pool, cfg.critic.model_path, cfg.critic.tp, cfg.critic.pp) == ("critic", None, 1, 1)
-    assert cfg.critic.cliprange_value == 0.5 and cfg.critic.optim.lr == 1e-5
+    assert cfg.critic.loss.cliprange_value == 0.5 and cfg.critic.optim.lr == 1e-5
     assert cfg.actor.optim.lr != cfg.critic.optim.lr  # its own optimizer settings
 
 
@@ -491,6 +536,26 @@ def test_critic_batch_split_follows_the_actor_mini_batches(files):
               "dp=2 x critic.micro_batch_size=8 = 16 must divide it")
 
 
+def test_critic_mini_batches_default_to_the_actors_and_may_be_its_own(files):
+    from rlcore.config import resolved_critic
+
+    cfg = job(files, "actor.ppo_mini_batch_size=4", "actor.ppo_epochs=2", "actor.loss_agg_mode=seq-mean-token-sum")
+    c = resolved_critic(cfg)
+    assert (c.ppo_mini_batch_size, c.ppo_epochs, c.loss_agg_mode) == (4, 2, "seq-mean-token-sum")
+    assert cfg.critic.ppo_mini_batch_size is None  # the job spec keeps what was given
+    c = resolved_critic(job(files, "critic.ppo_mini_batch_size=2", "critic.ppo_epochs=1",
+                            "critic.loss_agg_mode=token-mean", "actor.ppo_epochs=3"))
+    assert (c.ppo_mini_batch_size, c.ppo_epochs, c.loss_agg_mode) == (2, 1, "token-mean")
+    gae = ["algorithm.adv_estimator=gae", CRITIC_POOLS]
+    assert_in(validate_error(files, *gae, "critic.ppo_mini_batch_size=3"),
+              "critic.ppo_mini_batch_size=3 does not divide data.batch_size=8")
+    # 1 prompt x 8 samples = 8 sequences per critic step, but dp 2 x micro-batch 8 = 16 per round.
+    assert_in(validate_error(files, *gae, "critic.ppo_mini_batch_size=1", "critic.micro_batch_size=8"),
+              "critic.ppo_mini_batch_size*rollout.n=1*8=8 sequences", "for the critic",
+              "dp=2 x critic.micro_batch_size=8 = 16 must divide it")
+    validate(job(files, *gae, "critic.ppo_mini_batch_size=2", "critic.micro_batch_size=8"))
+
+
 def test_critic_model_path(files):
     gae = ["algorithm.adv_estimator=gae", CRITIC_POOLS]
     missing = files["tmp"] / "no-such-critic"
@@ -516,7 +581,9 @@ def test_critic_model_path(files):
     ("critic.pp=-1", "critic.pp=-1"),
     ("critic.micro_batch_size=0", "critic.micro_batch_size=0"),
     ("critic.optim.lr=0", "critic.optim.lr=0.0"),
-    ("critic.cliprange_value=0", "critic.cliprange_value=0.0"),
+    ("critic.loss.cliprange_value=0", "critic.loss.cliprange_value=0.0"),
+    ("critic.ppo_epochs=0", "critic.ppo_epochs=0"),
+    ("critic.ppo_mini_batch_size=0", "critic.ppo_mini_batch_size=0"),
 ])
 def test_critic_values_that_must_be_positive(files, override, key):
     assert_in(validate_error(files, "algorithm.adv_estimator=gae", CRITIC_POOLS, override), key, "must be positive")

@@ -105,7 +105,7 @@ def test_megatron_update_is_independent_of_micro_batch_size_and_dp(qwen2_untied,
     from rlcore.roles import RoleSpec
     from rlcore.config import OptimConfig
 
-    loss_cfg = LossConfig(entropy_coeff=0.01)
+    loss_cfg = LossConfig(entropy_coeff=0.01, kl_coeff=0.0)
     batch = _megatron_batch()
     results = {}
     # (4, 1): the whole batch in 2 micro-batches of 4 in one process; (2, 2): 2 DP ranks of 2

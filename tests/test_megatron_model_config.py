@@ -1,4 +1,5 @@
-"""Reading a HuggingFace config.json into the facts the Megatron model needs, and the layout checks."""
+"""Reading a HuggingFace config.json into the facts the Megatron model needs, and the layout checks
+(rlcore's, which `rlx validate` runs too)."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,7 +7,8 @@ import json
 
 import pytest
 
-from megatron_workers.model import check_layout, read_hf_config
+from megatron_workers.model import read_hf_config
+from rlcore.layout import check_model_split
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +53,25 @@ def test_refuses_what_it_cannot_reproduce(qwen2, tmp_path):
 
 def test_layout_checks_explain_the_failure(qwen2):
     hf = read_hf_config(qwen2)
-    check_layout(hf, tp=2, pp=4)
-    with pytest.raises(ValueError, match="KV groups"):
-        check_layout(hf, tp=4, pp=1)
+    check_model_split(hf, tp=2, pp=4)
+    with pytest.raises(ValueError, match="2 key-value heads"):
+        check_model_split(hf, tp=4, pp=1)
     with pytest.raises(ValueError, match="vocabulary of 17"):
-        check_layout(dataclasses.replace(hf, vocab_size=17), tp=2, pp=1)
-    with pytest.raises(ValueError, match="PP=3"):
-        check_layout(hf, tp=1, pp=3)
+        check_model_split(dataclasses.replace(hf, vocab_size=17), tp=2, pp=1)
+    with pytest.raises(ValueError, match="pp=3"):
+        check_model_split(hf, tp=1, pp=3)
+    with pytest.raises(ValueError, match="intermediate_size=255"):
+        check_model_split(dataclasses.replace(hf, ffn_hidden_size=255), tp=2, pp=1)
+    with pytest.raises(ValueError, match="vpp=2 needs pp=1 > 1"):
+        check_model_split(hf, tp=1, pp=1, vpp=2)
+
+
+def test_the_megatron_guard_is_the_validators_check(qwen2):
+    """transformer_config runs the same check as `rlx validate`, and says the same sentence (without
+    the role's section, which the workers do not know)."""
+    from megatron_workers.model import transformer_config
+
+    hf = dataclasses.replace(read_hf_config(qwen2), ffn_hidden_size=255)
+    with pytest.raises(ValueError) as info:
+        transformer_config(hf, "cpu", "float32", tp=2, pp=1)
+    assert str(info.value) == f"tp=2 does not divide the model's intermediate_size=255 ({hf.source}: intermediate_size)"

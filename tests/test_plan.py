@@ -11,7 +11,8 @@ import pytest
 
 from launch import plan
 from launch.cli import main as rlx
-from rlcore.job import load_job, validate
+from rlcore.job import load_job
+from rlcore.validate import validate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPECS = {

@@ -111,8 +111,9 @@ def test_a_grpo_step_keeps_engine_and_trainer_in_agreement(smollm2, math_data, t
     exactly as the trained PP=2 actor does, tied embedding included, with every weight checksum equal."""
     import ray
 
-    from rlcore.job import load_job, validate
     from launch.compose import build_trainer
+    from rlcore.job import load_job
+    from rlcore.validate import validate
     from rlcore.weight_sync import checksum
 
     train_path, val_path = math_data

@@ -87,14 +87,15 @@ def test_the_factory_picks_auto_as_documented_and_rejects_unknown_names():
 
 
 def test_the_registry_refuses_a_second_transport_of_one_name():
-    from rlcore.weight_sync import REGISTRY, Transport, TransportRegistry
+    from rlcore.registry import DuplicateNameError, Registry
+    from rlcore.weight_sync import REGISTRY, Transport, register
 
-    registry = TransportRegistry()
-    for t in (REGISTRY.get(name) for name in REGISTRY.names()):
-        registry.register(t)
+    registry = Registry("rollout.weight_transport")
+    for t in REGISTRY.values():
+        register(t, registry)
     twin = type("Twin", (Transport,), {"name": "shm"})
-    with pytest.raises(ValueError, match="weight sync transport 'shm' is already registered"):
-        registry.register(twin)
+    with pytest.raises(DuplicateNameError, match="rollout.weight_transport: 'shm' is already registered"):
+        register(twin, registry)
     with pytest.raises(ValueError, match="'auto' is reserved"):
-        registry.register(type("Auto", (Transport,), {"name": "auto"}))
-    assert registry.names() == REGISTRY.names()
+        register(type("Auto", (Transport,), {"name": "auto"}), registry)
+    assert list(registry) == list(REGISTRY)

@@ -9,7 +9,7 @@
 - ``checks``: checksums; ``rss``: the peak-memory sampler both sides report.
 """
 from .checks import WeightMismatchError, check_engines, checksum, compare_checksums
-from .factory import REGISTRY, TRANSPORTS, TransportRegistry, choose_transport, create_writer, open_reader, open_writer
+from .factory import REGISTRY, TRANSPORTS, choose_transport, create_writer, open_reader, open_writer, register
 from .group import StageLink, WeightSyncGroup
 from .plan import DTYPES, Assembler, Bucket, TensorSpec, plan_buckets, plan_tensors, split_rows, unpack
 from .rss import PeakRss
@@ -21,7 +21,7 @@ __all__ = [
     "DTYPES", "Assembler", "Bucket", "TensorSpec", "plan_buckets", "plan_tensors", "split_rows", "unpack",
     "StageLink", "WeightSyncGroup", "PeakRss",
     "WeightMismatchError", "check_engines", "checksum", "compare_checksums",
-    "REGISTRY", "TRANSPORTS", "TransportRegistry", "choose_transport", "create_writer", "open_reader", "open_writer",
+    "REGISTRY", "TRANSPORTS", "choose_transport", "create_writer", "open_reader", "open_writer", "register",
     "StageReader", "StageWriter", "Transport",
     "StageSource", "WeightReceiver", "WeightSender",
     "connect_weight_sync", "sync_weights",

@@ -1,0 +1,411 @@
+"""Validating a job spec: everything that can be checked before start-up (names, ranges, files, pools,
+layouts that must divide the model and the batch), each failure one ``ConfigError`` sentence naming the
+key; ``validate`` returns the resolved ``JobLayout`` of every role. The layout checks themselves are
+``rlcore/layout.py``'s, which the Megatron side runs again.
+"""
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from rlcore import algos
+from rlcore.config import JobConfig, resolved_critic
+from rlcore.hf_config import HFModelSpec, read_hf_config
+from rlcore.job import ConfigError
+from rlcore.layout import (INHERITED, RoleLayout, RolloutLayout, check_micro_batches, check_model_split,
+                           check_rollout_split)
+from rlcore.reward import RewardError, load_reward_fn
+from rlcore.weight_sync import TRANSPORTS
+
+DTYPES = ("auto", "float32", "bfloat16")
+DEVICES = ("auto", "cpu", "gpu")
+DATA_SUFFIXES = (".parquet", ".jsonl")
+
+
+@dataclass
+class JobLayout:
+    actor: RoleLayout
+    reference: Optional[RoleLayout]  # None when no KL needs it (actor.loss.kl_coeff == 0, no algorithm.kl_in_reward)
+    rollout: RolloutLayout
+    device: str  # the resolved profile: cpu | gpu
+    total_gpus: int  # all pools together
+    dtype: str  # the resolved model dtype: float32 | bfloat16
+    critic: Optional[RoleLayout] = None  # None unless the advantage estimator needs values (needs_critic)
+
+
+def for_another_machine(cfg: JobConfig) -> bool:
+    """A cluster spec checked here: model.path is not a folder on this machine but model.hf_config
+    describes the model, so the layout can be checked without the weights, tokenizer or data."""
+    return cfg.model.hf_config is not None and not os.path.isdir(cfg.model.path)
+
+
+def validate(cfg: JobConfig, require_files: Optional[bool] = None) -> JobLayout:
+    """Check everything that can be checked before start-up; raise ``ConfigError`` on the first
+    problem, else return the resolved layout of every role. ``require_files`` (default: unless the
+    spec is ``for_another_machine``) also checks that the weights and data files are here."""
+    if require_files is None:
+        require_files = not for_another_machine(cfg)
+    _check_ranges(cfg)
+    _check_algorithm_ranges(cfg)
+    _check_names(cfg)
+    device = _resolve_device(cfg.resources.device)
+    dtype = _resolve_dtype(cfg.model.dtype, device)
+    model = _read_model(cfg.model.path, None if require_files else cfg.model.hf_config)
+    _check_pools(cfg)
+    _check_checkpointable(cfg, device)
+
+    a = cfg.actor
+    actor = _role_layout(cfg, "actor", a.pool, a.tp, a.pp, a.vpp)
+    check_model_split(model, actor.tp, actor.pp, actor.vpp, "actor")
+    # The actor's log-prob pass runs on the whole batch, a multiple of its mini-batch: checking the
+    # mini-batch suffices.
+    _check_batch_split(cfg, "actor", actor, *_prompts(cfg, a.ppo_mini_batch_size, "actor"),
+                       "actor.micro_batch_size", a.micro_batch_size, "actor.vpp")
+
+    reference = None
+    if needs_reference(cfg):  # the reference model only exists to compute the KL
+        ref = cfg.reference
+        inherited = tuple(k for k in ("tp", "pp", "vpp") if getattr(ref, k) is None)
+        reference = _role_layout(cfg, "reference", _default(ref.pool, a.pool), _default(ref.tp, a.tp),
+                                 _default(ref.pp, a.pp), _default(ref.vpp, a.vpp),
+                                 defaulted=ref.pool is None and ref.tp is None and ref.pp is None)
+        check_model_split(model, reference.tp, reference.pp, reference.vpp, "reference", inherited)
+        _check_batch_split(cfg, "reference", reference, "data.batch_size", cfg.data.batch_size,
+                           _key("reference", "micro_batch_size", ref.micro_batch_size is None),
+                           _default(ref.micro_batch_size, a.micro_batch_size),
+                           _key("reference", "vpp", ref.vpp is None))
+
+    critic = _critic_layout(cfg, model, require_files) if needs_critic(cfg) else None
+
+    rollout = _rollout_layout(cfg, model, device)
+    _check_data(cfg, model, require_files)
+    _check_algorithm(cfg)
+    try:
+        load_reward_fn(cfg.reward.function)
+    except RewardError as e:
+        raise ConfigError(str(e)) from e
+    return JobLayout(actor=actor, reference=reference, rollout=rollout, device=device,
+                     total_gpus=sum(cfg.resources.pools.values()), dtype=dtype, critic=critic)
+
+
+def needs_critic(cfg: JobConfig) -> bool:
+    """PPO's value model (the critic: section) runs exactly when the advantage estimator needs values."""
+    return algos.ADV_ESTIMATORS.meta(cfg.algorithm.adv_estimator).critic
+
+
+def needs_reference(cfg: JobConfig) -> bool:
+    """The reference model is loaded only for a KL: as a loss term or as a reward penalty."""
+    return cfg.actor.loss.kl_coeff > 0 or cfg.algorithm.kl_in_reward
+
+
+def _critic_layout(cfg: JobConfig, model: HFModelSpec, require_files: bool) -> RoleLayout:
+    c = resolved_critic(cfg)
+    layout = _role_layout(cfg, "critic", c.pool, c.tp, c.pp, c.vpp)
+    # The critic's own checkpoint when it has one here (a spec for another machine may name a path
+    # that only exists there: its shape is then taken to be the actor's).
+    if c.model_path is not None and (require_files or os.path.isdir(c.model_path)):
+        model = _read_critic_model(cfg, model)
+    check_model_split(model, layout.tp, layout.pp, layout.vpp, "critic")
+    # The critic trains on its own mini-batches (by default the actor's), split into its own
+    # micro-batches; compute_values runs on the whole batch, a multiple of them.
+    own = cfg.critic.ppo_mini_batch_size is not None
+    _check_mini_batch("critic", cfg.critic.ppo_mini_batch_size, cfg.data.batch_size)
+    _check_batch_split(cfg, "critic", layout, *_prompts(cfg, c.ppo_mini_batch_size, "critic" if own else "actor"),
+                       "critic.micro_batch_size", c.micro_batch_size, "critic.vpp")
+    return layout
+
+
+def _read_critic_model(cfg: JobConfig, actor_model: HFModelSpec) -> HFModelSpec:
+    path = cfg.critic.model_path
+    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"critic.model_path={path} is not a HuggingFace model folder (no config.json)")
+    model = _read_model(path, key="critic.model_path")
+    if model.vocab_size != actor_model.vocab_size:
+        raise ConfigError(f"{model.source} has vocab_size={model.vocab_size}, but the actor's model has "
+                          f"{actor_model.vocab_size} ({actor_model.source}): the critic reads the actor's "
+                          "token ids, so both need the same vocabulary")
+    total = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    if total > model.max_position_embeddings:
+        raise ConfigError(f"data.max_prompt_length+rollout.max_response_length={total} exceeds the critic's "
+                          f"max_position_embeddings={model.max_position_embeddings} ({model.source})")
+    return model
+
+
+def _read_model(path: str, hf_config: Any = None, key: str = "model.path") -> HFModelSpec:
+    """The model's shape from its folder (weights required) or, given ``hf_config``, from that when
+    ``path`` is not a folder here."""
+    model = read_hf_config(path, hf_config, key)
+    if os.path.isdir(path) and not glob.glob(os.path.join(path, "*.safetensors")):
+        raise ConfigError(f"{key}={path} has no *.safetensors weights")
+    return model
+
+
+def _default(value, actor_value):
+    return actor_value if value is None else value
+
+
+def _key(role: str, name: str, defaulted: bool) -> str:
+    """The dotted key a value came from, saying so when the reference inherited it from the actor."""
+    return f"{role}.{name}" + (INHERITED if defaulted else "")
+
+
+def _prompts(cfg: JobConfig, mini_batch_size: Optional[int], owner: str) -> tuple[str, int]:
+    """(key, prompts) of one update's mini-batch: ``owner``.ppo_mini_batch_size, or the whole batch."""
+    if mini_batch_size is None:
+        return "data.batch_size", cfg.data.batch_size
+    return f"{owner}.ppo_mini_batch_size", mini_batch_size
+
+
+def _check_mini_batch(role: str, mini_batch_size: Optional[int], batch_size: int) -> None:
+    if mini_batch_size is not None and batch_size % mini_batch_size:
+        raise ConfigError(f"{role}.ppo_mini_batch_size={mini_batch_size} does not divide "
+                          f"data.batch_size={batch_size} (both count prompts)")
+
+
+def _check_batch_split(cfg: JobConfig, role: str, layout: RoleLayout, prompts_key: str, prompts: int,
+                       micro_batch_key: str, micro_batch_size: int, vpp_key: str) -> None:
+    check_micro_batches(role, layout, f"{prompts_key}*rollout.n={prompts}*{cfg.rollout.n}", prompts * cfg.rollout.n,
+                        micro_batch_key, micro_batch_size, vpp_key)
+
+
+def _role_layout(cfg: JobConfig, role: str, pool: str, tp: int, pp: int, vpp: int,
+                 defaulted: bool = False) -> RoleLayout:
+    gpus = cfg.resources.pools[pool]
+    if gpus % (tp * pp):
+        raise ConfigError(f"{role}.tp*{role}.pp={tp}*{pp}={tp * pp} does not divide the {gpus} GPUs of "
+                          f"pool {pool!r} (resources.pools.{pool}={gpus})"
+                          + (" (tp, pp and pool are the actor's, by default)" if defaulted else ""))
+    return RoleLayout(pool=pool, gpus=gpus, tp=tp, pp=pp, dp=gpus // (tp * pp), vpp=vpp)
+
+
+def _rollout_layout(cfg: JobConfig, model: HFModelSpec, device: str) -> RolloutLayout:
+    r = cfg.rollout
+    gpus = cfg.resources.pools[r.pool]
+    if r.engines * r.tp != gpus:
+        raise ConfigError(f"rollout.engines*rollout.tp={r.engines}*{r.tp}={r.engines * r.tp} does not equal "
+                          f"the {gpus} GPUs of pool {r.pool!r} (resources.pools.{r.pool}={gpus})")
+    check_rollout_split(model, r.tp, device)
+    return RolloutLayout(pool=r.pool, gpus=gpus, engines=r.engines, tp=r.tp)
+
+
+def _check_ranges(cfg: JobConfig) -> None:
+    positive = {
+        "trainer.total_steps": cfg.trainer.total_steps,
+        "data.batch_size": cfg.data.batch_size,
+        "data.max_prompt_length": cfg.data.max_prompt_length,
+        "rollout.n": cfg.rollout.n,
+        "rollout.engines": cfg.rollout.engines,
+        "rollout.tp": cfg.rollout.tp,
+        "rollout.max_response_length": cfg.rollout.max_response_length,
+        "rollout.temperature": cfg.rollout.temperature,
+        "rollout.bucket_mb": cfg.rollout.bucket_mb,
+        "actor.tp": cfg.actor.tp,
+        "actor.pp": cfg.actor.pp,
+        "actor.vpp": cfg.actor.vpp,
+        "actor.micro_batch_size": cfg.actor.micro_batch_size,
+        "actor.optim.lr": cfg.actor.optim.lr,
+        "critic.tp": cfg.critic.tp,
+        "critic.pp": cfg.critic.pp,
+        "critic.vpp": cfg.critic.vpp,
+        "critic.micro_batch_size": cfg.critic.micro_batch_size,
+        "critic.optim.lr": cfg.critic.optim.lr,
+        "critic.loss.cliprange_value": cfg.critic.loss.cliprange_value,
+    }
+    optional = {"reference": ("tp", "pp", "vpp", "micro_batch_size"),  # None means the actor's
+                "critic": ("ppo_epochs", "ppo_mini_batch_size")}
+    for section, keys in optional.items():
+        for key in keys:
+            if getattr(getattr(cfg, section), key) is not None:
+                positive[f"{section}.{key}"] = getattr(getattr(cfg, section), key)
+    for key, value in positive.items():
+        if not value > 0:
+            raise ConfigError(f"{key}={value} must be positive")
+    non_negative = {
+        "actor.loss.kl_coeff": cfg.actor.loss.kl_coeff,
+        "actor.loss.clip_ratio_low": cfg.actor.loss.clip_ratio_low,
+        "actor.loss.clip_ratio_high": cfg.actor.loss.clip_ratio_high,
+        "trainer.val_every": cfg.trainer.val_every,
+        "trainer.save_every": cfg.trainer.save_every,
+        "trainer.keep_last": cfg.trainer.keep_last,
+    }
+    for key, value in non_negative.items():
+        if value < 0:
+            raise ConfigError(f"{key}={value} must not be negative")
+    _check_resume(cfg.trainer.resume)
+    if not 0 < cfg.rollout.top_p <= 1:
+        raise ConfigError(f"rollout.top_p={cfg.rollout.top_p} must be in (0, 1]")
+    if not cfg.actor.loss.clip_ratio_low < 1:
+        raise ConfigError(f"actor.loss.clip_ratio_low={cfg.actor.loss.clip_ratio_low} must be below 1 "
+                          "(the ratio is clipped at 1 - clip_ratio_low)")
+    if not 0 < cfg.rollout.gpu_memory_utilization <= 1:
+        raise ConfigError(f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} "
+                          "must be in (0, 1]")
+
+
+def _check_checkpointable(cfg: JobConfig, device: str) -> None:
+    # megatron-core 0.16.1 saves a distributed-optimizer checkpoint with torch's Adam (the only Adam
+    # on the cpu profile) but cannot load it back (KeyError 'step' in distrib_optimizer.py): refuse
+    # now rather than fail at the first resume.
+    if device != "cpu" or cfg.trainer.save_every == 0:
+        return
+    for role in ("actor", "critic") if needs_critic(cfg) else ("actor",):
+        if getattr(cfg, role).optim.use_distributed_optimizer:
+            raise ConfigError(f"trainer.save_every={cfg.trainer.save_every} with {role}.optim.use_distributed_optimizer"
+                              "=true is not supported on the cpu profile (megatron-core 0.16.1 cannot resume a "
+                              "distributed-optimizer checkpoint with torch's Adam); turn one of them off")
+
+
+def _check_algorithm_ranges(cfg: JobConfig) -> None:
+    a, loss, alg = cfg.actor, cfg.actor.loss, cfg.algorithm
+    positive = {"actor.ppo_epochs": a.ppo_epochs, "actor.loss.rollout_is_threshold": loss.rollout_is_threshold,
+                "actor.loss.rollout_is_threshold_low": loss.rollout_is_threshold_low,
+                "algorithm.dynamic_sampling.max_gen_batches": alg.dynamic_sampling.max_gen_batches}
+    if a.ppo_mini_batch_size is not None:
+        positive["actor.ppo_mini_batch_size"] = a.ppo_mini_batch_size
+    if alg.kl_ctrl.type == "adaptive":
+        positive.update({"algorithm.kl_ctrl.target_kl": alg.kl_ctrl.target_kl,
+                         "algorithm.kl_ctrl.horizon": alg.kl_ctrl.horizon})
+    if alg.overlong_buffer.enable:
+        positive["algorithm.overlong_buffer.len"] = alg.overlong_buffer.len
+    for key, value in positive.items():
+        if not value > 0:
+            raise ConfigError(f"{key}={value} must be positive")
+    non_negative = {"actor.loss.entropy_coeff": loss.entropy_coeff, "algorithm.kl_ctrl.kl_coef": alg.kl_ctrl.kl_coef,
+                    "algorithm.overlong_buffer.penalty_factor": alg.overlong_buffer.penalty_factor}
+    for key, value in non_negative.items():
+        if value < 0:
+            raise ConfigError(f"{key}={value} must not be negative")
+    for key, value in (("algorithm.gamma", alg.gamma), ("algorithm.lam", alg.lam)):
+        if not 0 <= value <= 1:
+            raise ConfigError(f"{key}={value} must be in [0, 1]")
+    _check_mini_batch("actor", a.ppo_mini_batch_size, cfg.data.batch_size)
+    if loss.policy_loss == "dual_clip" and not loss.clip_ratio_c > 1:
+        raise ConfigError(f"actor.loss.clip_ratio_c={loss.clip_ratio_c} must be above 1 for "
+                          "actor.loss.policy_loss=dual_clip")
+    lo, hi = loss.rollout_is_threshold_low, loss.rollout_is_threshold
+    if loss.rollout_correction in ("icepop", "seq_mask") and not lo < hi:
+        raise ConfigError(f"actor.loss.rollout_is_threshold_low={lo} must be below "
+                          f"actor.loss.rollout_is_threshold={hi} (the range of ratios kept)")
+    if a.use_rollout_logprobs and loss.rollout_correction != "none":
+        raise ConfigError(f"actor.loss.rollout_correction={loss.rollout_correction} corrects the old log-probs "
+                          "towards the rollout engine's, but actor.use_rollout_logprobs=true makes them the same "
+                          "(set one of them off)")
+    if alg.overlong_buffer.enable and alg.overlong_buffer.len > cfg.rollout.max_response_length:
+        raise ConfigError(f"algorithm.overlong_buffer.len={alg.overlong_buffer.len} exceeds "
+                          f"rollout.max_response_length={cfg.rollout.max_response_length}")
+
+
+def _check_resume(resume: str) -> None:
+    if resume in ("auto", "never"):
+        return
+    if not os.path.isdir(resume):
+        raise ConfigError(f"trainer.resume={resume!r} is neither auto, never nor an existing checkpoint folder")
+    from rlcore.checkpoint import LATEST, MANIFEST
+
+    if not (os.path.isfile(os.path.join(resume, MANIFEST)) or os.path.isfile(os.path.join(resume, LATEST))):
+        raise ConfigError(f"trainer.resume={resume} is not a checkpoint: it has no {MANIFEST} (a step_N "
+                          f"folder) and no {LATEST} pointer (a checkpoint_dir)")
+
+
+def _one_of(key: str, value: str, valid) -> None:
+    if value not in valid:
+        raise ConfigError(f"{key}={value!r} is not one of: {', '.join(valid)}")
+
+
+def _check_names(cfg: JobConfig) -> None:
+    """Names against the registries (rlcore/algos.py) and the fixed choices."""
+    a, alg = cfg.actor, cfg.algorithm
+    choices = [("algorithm.adv_estimator", alg.adv_estimator, algos.ADV_ESTIMATORS),
+               ("actor.loss.policy_loss", a.loss.policy_loss, algos.POLICY_LOSSES),
+               ("actor.loss.kl_estimator", a.loss.kl_estimator, algos.KL_ESTIMATORS),
+               ("actor.loss_agg_mode", a.loss_agg_mode, algos.AGG_MODES),
+               ("actor.loss.rollout_correction", a.loss.rollout_correction, algos.ROLLOUT_CORRECTIONS),
+               ("algorithm.kl_penalty", alg.kl_penalty, algos.KL_ESTIMATORS),
+               ("algorithm.kl_ctrl.type", alg.kl_ctrl.type, algos.KL_CONTROLLERS),
+               ("model.dtype", cfg.model.dtype, DTYPES),
+               ("rollout.weight_transport", cfg.rollout.weight_transport, TRANSPORTS),
+               ("resources.device", cfg.resources.device, DEVICES)]
+    if cfg.critic.loss_agg_mode is not None:  # None: the actor's
+        choices.append(("critic.loss_agg_mode", cfg.critic.loss_agg_mode, algos.AGG_MODES))
+    for key, value, valid in choices:
+        _one_of(key, value, valid)
+
+
+def _resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch  # only here: loading a job spec should not pay for importing torch
+
+    return "gpu" if torch.cuda.is_available() else "cpu"
+
+
+def _resolve_dtype(dtype: str, device: str) -> str:
+    if dtype == "auto":
+        return "float32" if device == "cpu" else "bfloat16"
+    if device == "cpu" and dtype != "float32":
+        raise ConfigError(f"model.dtype={dtype!r}: the CPU profile runs in float32 only "
+                          "(use model.dtype=auto or float32)")
+    return dtype
+
+
+def _check_pools(cfg: JobConfig) -> None:
+    pools = cfg.resources.pools
+    if not pools:
+        raise ConfigError("resources.pools is empty; name at least an actor pool and a rollout pool")
+    for name, size in pools.items():
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ConfigError(f"resources.pools.{name}={size!r} must be an integer >= 1 (GPUs in the pool)")
+    roles = {"actor.pool": cfg.actor.pool, "rollout.pool": cfg.rollout.pool}
+    if needs_reference(cfg) and cfg.reference.pool is not None:
+        roles["reference.pool"] = cfg.reference.pool
+    if needs_critic(cfg):
+        roles["critic.pool"] = cfg.critic.pool
+    for key, pool in roles.items():
+        if pool not in pools:
+            raise ConfigError(f"{key}={pool!r} is not a pool in resources.pools (pools: {', '.join(pools)})")
+    if cfg.actor.pool == cfg.rollout.pool:
+        raise ConfigError(f"actor.pool and rollout.pool are both {cfg.rollout.pool!r}: colocating actor "
+                          "and rollout on one pool is not supported yet")
+    if roles.get("reference.pool") == cfg.rollout.pool:
+        raise ConfigError(f"reference.pool and rollout.pool are both {cfg.rollout.pool!r}: colocating "
+                          "the reference and rollout on one pool is not supported yet")
+    if roles.get("critic.pool") == cfg.rollout.pool:
+        raise ConfigError(f"critic.pool and rollout.pool are both {cfg.rollout.pool!r}: colocating "
+                          "the critic and rollout on one pool is not supported yet")
+
+
+def _check_files(key: str, files: list[str], require_files: bool = True) -> None:
+    for i, path in enumerate(files):
+        if not path.endswith(DATA_SUFFIXES):
+            raise ConfigError(f"{key}[{i}]={path} must end in .parquet or .jsonl")
+        if require_files and not os.path.isfile(path):
+            raise ConfigError(f"{key}[{i}]={path} not found")
+
+
+def _check_data(cfg: JobConfig, model: HFModelSpec, require_files: bool = True) -> None:
+    if not cfg.data.train_files:
+        raise ConfigError("data.train_files is empty; give at least one .parquet or .jsonl file")
+    _check_files("data.train_files", cfg.data.train_files, require_files)
+    _check_files("data.val_files", cfg.data.val_files, require_files)
+    total = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    if total > model.max_position_embeddings:
+        raise ConfigError(
+            f"data.max_prompt_length+rollout.max_response_length={cfg.data.max_prompt_length}+"
+            f"{cfg.rollout.max_response_length}={total} exceeds the model's max_position_embeddings="
+            f"{model.max_position_embeddings} ({model.source})")
+
+
+def _check_algorithm(cfg: JobConfig) -> None:
+    estimator = cfg.algorithm.adv_estimator
+    needs = algos.ADV_ESTIMATORS.meta(estimator)
+    if needs.groups and cfg.rollout.n < 2:
+        raise ConfigError(f"rollout.n={cfg.rollout.n} but algorithm.adv_estimator={estimator} needs at least 2 "
+                          "samples per prompt (the group its advantages are relative to)")
+    if needs.critic and getattr(cfg, "critic", None) is None:
+        raise ConfigError(f"algorithm.adv_estimator={estimator} needs a critic (a critic: section), "
+                          "and this job spec has none")
+    if cfg.algorithm.dynamic_sampling.enable and cfg.rollout.n < 2:
+        raise ConfigError(f"algorithm.dynamic_sampling.enable=true drops prompts whose samples all scored the "
+                          f"same, which needs rollout.n >= 2 (got rollout.n={cfg.rollout.n})")
