@@ -109,7 +109,7 @@ def _critic_layout(cfg: JobConfig, model: HFModelSpec, require_files: bool) -> R
         model = _read_critic_model(cfg, model)
     check_model_split(model, layout.tp, layout.pp, layout.vpp, "critic")
     # The critic trains on its own mini-batches (by default the actor's), split into its own
-    # micro-batches; compute_values runs on the whole batch, a multiple of them.
+    # micro-batches; the value pass runs on the whole batch, a multiple of them.
     own = cfg.critic.ppo_mini_batch_size is not None
     _check_mini_batch("critic", cfg.critic.ppo_mini_batch_size, cfg.data.batch_size)
     _check_batch_split(cfg, "critic", layout, *_prompts(cfg, c.ppo_mini_batch_size, "critic" if own else "actor"),

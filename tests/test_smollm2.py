@@ -141,7 +141,7 @@ def test_a_grpo_step_keeps_engine_and_trainer_in_agreement(smollm2, math_data, t
         width = max(map(len, seqs))
         from rlcore.batch import Batch
 
-        input_ids = torch.full((len(seqs), width), trainer.pad_id, dtype=torch.long)
+        input_ids = torch.full((len(seqs), width), trainer.task.pad_id, dtype=torch.long)
         for i, s in enumerate(seqs):
             input_ids[i, :len(s)] = torch.tensor(s)
         actor = trainer.actor.forward(Batch(input_ids=input_ids))["logprobs"]
