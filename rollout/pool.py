@@ -5,6 +5,8 @@ import ray
 
 from rlcore.batch import Trajectory
 from rlcore.config import RolloutConfig
+from rlcore.hf_config import read_hf_config
+from rlcore.layout import check_rollout_split
 from rlcore.placement import RolePlacement
 from rlcore.weight_sync import Bucket, StageLink
 
@@ -17,6 +19,8 @@ class RolloutPool:
         need = cfg.engines * cfg.tp
         if cfg.engines < 1 or cfg.tp < 1:
             raise ValueError(f"rollout.engines={cfg.engines} and rollout.tp={cfg.tp} must be >= 1")
+        # The same check as `rlx validate`, before any engine starts.
+        check_rollout_split(read_hf_config(model_path, key=None), cfg.tp, profile)
         if len(placement.bundle_indices) < need:
             raise ValueError(f"rollout: {cfg.engines} engines x tp {cfg.tp} need {need} GPUs, pool "
                              f"{placement.pool!r} has {len(placement.bundle_indices)}")

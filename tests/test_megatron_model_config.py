@@ -75,3 +75,29 @@ def test_the_megatron_guard_is_the_validators_check(qwen2):
     with pytest.raises(ValueError) as info:
         transformer_config(hf, "cpu", "float32", tp=2, pp=1)
     assert str(info.value) == f"tp=2 does not divide the model's intermediate_size=255 ({hf.source}: intermediate_size)"
+
+
+def test_validate_and_the_role_groups_refuse_the_same_layout_with_the_same_sentence(tmp_path):
+    """One layout check: `rlx validate` and the Megatron group (and the rollout pool) run the same
+    function on the same parsed config.json, so a TP that does not divide intermediate_size (or the
+    heads, for vLLM) is refused by both, before any Ray actor starts."""
+    from launch.assets import make_addition_data, make_tiny_model
+    from megatron_workers.group import MegatronGroup
+    from rlcore.config import RolloutConfig
+    from rlcore.job import ConfigError, load_job
+    from rlcore.roles import RoleSpec
+    from rlcore.validate import validate
+    from rollout.pool import RolloutPool
+
+    model = make_tiny_model(str(tmp_path / "model"), intermediate_size=255)  # 255 % 2 != 0
+    data = make_addition_data(str(tmp_path / "data"))
+    cfg = load_job("yaml_configs/quickstart_cpu.yaml", [f"model.path={model}", f"data.train_files=[{data}]",
+                                                         f"data.val_files=[{data}]", "actor.tp=2", "actor.micro_batch_size=16"])
+    with pytest.raises(ConfigError, match="actor.tp=2 does not divide the model's intermediate_size=255") as by_validate:
+        validate(cfg)
+    spec = RoleSpec("actor", model, tp=2, pp=1, dp=1, micro_batch_size=16, profile="cpu", dtype="float32", seed=0)
+    with pytest.raises(ConfigError, match="does not divide the model's intermediate_size=255") as by_group:
+        MegatronGroup(spec, placement=None)  # refused before the placement is even looked at
+    assert str(by_group.value).split(" (")[0] == str(by_validate.value).split(" (")[0]
+    with pytest.raises(ConfigError, match="rollout.tp=3 does not divide the model's 4 attention heads"):
+        RolloutPool(model, RolloutConfig(tp=3), placement=None, profile="cpu", dtype="float32", seed=0)
