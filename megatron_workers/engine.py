@@ -50,8 +50,8 @@ class MegatronEngine:
     def __init__(self, spec: RoleSpec, rank: int):
         if spec.micro_batch_size < 1:
             raise ValueError(f"{spec.name}: micro_batch_size must be >= 1, got {spec.micro_batch_size}")
-        if spec.vpp < 1 or (spec.vpp > 1 and spec.pp == 1):
-            raise ValueError(f"{spec.name}: vpp={spec.vpp} must be >= 1, and vpp > 1 needs pp > 1 (got pp={spec.pp})")
+        # The layout itself (TP/PP/VPP against the model) is rlcore.layout's check, which the group
+        # runs before any engine starts.
         # One math thread per worker process: on a shared 2-core box, two threads per process were
         # 5-100x slower whenever another process held a core (docs/cpu-profile.md).
         torch.set_num_threads(1)
