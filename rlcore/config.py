@@ -89,6 +89,14 @@ class ActorConfig:
     # the controller applies it (as per-token loss weights) before the batch reaches the workers.
     loss_agg_mode: str = "token-mean"
     use_rollout_logprobs: bool = False  # the engine's log-probs are the old log-probs: no recompute pass
+    # The rollout.n rows of a prompt run as one row: the prompt once, then each response, under an
+    # attention mask that keeps the responses apart (megatron_workers/packing.py). Same loss and
+    # gradient, fewer FLOPs when prompts are long next to responses; micro_batch_size still counts rows.
+    shared_prompt: bool = False
+    # Micro-batches by tokens instead of rows: sequences (with shared_prompt, a prompt's rows) sorted
+    # by length and packed first-fit under this many tokens (rows x the micro-batch's longest row);
+    # micro_batch_size is then unused. The loss is the same for any split. None: micro_batch_size rows.
+    max_tokens_per_micro_batch: Optional[int] = None
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
 
@@ -100,6 +108,8 @@ class ReferenceConfig:
     pp: Optional[int] = None  # default: the actor's
     vpp: Optional[int] = None  # default: the actor's
     micro_batch_size: Optional[int] = None  # default: the actor's
+    shared_prompt: Optional[bool] = None  # default: the actor's
+    max_tokens_per_micro_batch: Optional[int] = None  # default: the actor's
 
 
 @dataclass
@@ -113,6 +123,8 @@ class CriticConfig:
     pp: int = 1
     vpp: int = 1  # virtual pipeline stages per PP rank, as actor.vpp
     micro_batch_size: int = 4  # sequences per forward/backward micro-batch, per DP rank
+    shared_prompt: bool = False  # as actor.shared_prompt
+    max_tokens_per_micro_batch: Optional[int] = None  # as actor.max_tokens_per_micro_batch
     # The critic's own updates; None: the actor's value (resolved_critic below fills them in).
     ppo_mini_batch_size: Optional[int] = None  # prompts per critic optimizer step; must divide data.batch_size
     ppo_epochs: Optional[int] = None  # passes over each rollout batch
