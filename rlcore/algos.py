@@ -9,7 +9,10 @@ controller computes per-token ``loss_weights`` (``loss_weights()``) once over th
 before it is sharded, and every micro-batch returns ``sum(per_token_loss * loss_weights)``. The
 aggregate is a plain sum, so summing the micro-batches' contributions over micro-batches and DP ranks
 gives exactly the global aggregate of the chosen ``loss_agg_mode``, and so does its gradient. Metrics
-follow the same contract, so they are additive across micro-batches and ranks too.
+follow the same contract, so they are additive across micro-batches and ranks too. A loss that needs
+more than one row's statistics must say so: clip_cov and kl_cov pick tokens by a covariance over the
+micro-batch they are given and declare ``micro_batch_statistics`` (``PolicyLossTraits``); the weights
+are still the whole mini-batch's, but which tokens are picked depends on the split.
 """
 from __future__ import annotations
 
