@@ -463,11 +463,11 @@ COV_ADV = torch.tensor([[100.0, 2, 2, 2], [100.0, -1, -1, -1]])
 
 def test_clip_cov_detaches_the_picked_high_covariance_tokens_hand_computed():
     # Row 0's first token has ratio 1.5 (PPO clips it: A > 0); every other ratio is 1. In the band
-    # (1, 5): row 0 token 1 (1.5, but PPO-clipped: not eligible) and row 1 token 3 (1.8): that one is
-    # picked (budget max(1, int(2e-4 * 6)) = 1).
+    # (1, 5): row 0 token 1 (1.5, but PPO-clipped: not eligible) and row 1 token 3 (1.8): the budget is
+    # int(0.34 * 6) = 2, but only that one is eligible, so it alone is picked.
     old = COV_LOGP - torch.tensor([[0.0, math.log(1.5), 0, 0], [0, 0, 0, 0]])
     logp = COV_LOGP.clone().requires_grad_(True)
-    loss, stats = POLICY_LOSSES["clip_cov"](logp, old, COV_ADV, COV_MASK, LossConfig())
+    loss, stats = POLICY_LOSSES["clip_cov"](logp, old, COV_ADV, COV_MASK, LossConfig(clip_cov_ratio=0.34))
     # PPO's values: row 0: max(-3, -2.4) = -2.4, then -2, -2; row 1: +1 each (the picked one keeps its value).
     torch.testing.assert_close((loss * COV_MASK).detach(), torch.tensor([[0, -2.4, -2, -2], [0, 1.0, 1, 1]]))
     assert (stats["clip_frac"] * COV_MASK).tolist() == [[0, 1, 0, 0], [0, 0, 0, 0]]
