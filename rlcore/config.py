@@ -49,10 +49,21 @@ class OptimConfig:
 class LossConfig:
     """The actor loss's knobs (``actor.loss``): what ``rlcore.algos.actor_loss`` reads on the workers.
     The job spec's section is this dataclass itself, and the workers receive it as it is."""
-    policy_loss: str = "vanilla"  # vanilla (PPO clip) | dual_clip | gspo | cispo
+    # vanilla (PPO clip) | dual_clip | gspo (sequence ratio) | cispo (clipped IS weight) | gmpo (geometric-mean
+    # ratio) | sapo (soft gate) | gpg (plain policy gradient) | clip_cov | kl_cov (covariance-picked tokens;
+    # these two pick per micro-batch: not invariant to the micro-batch split, see rlcore/algos.py)
+    policy_loss: str = "vanilla"
+    # gmpo reads the two clip ratios as bounds of the LOG-ratio: [-clip_ratio_low, clip_ratio_high] (paper: 0.4)
     clip_ratio_low: float = 0.2  # the ratio is clipped below at 1 - clip_ratio_low
     clip_ratio_high: float = 0.2  # ... and above at 1 + clip_ratio_high (DAPO's clip-higher: 0.28)
     clip_ratio_c: float = 3.0  # dual_clip: a negative-advantage token's loss is at most -A * clip_ratio_c
+    sapo_tau_pos: float = 1.0  # sapo: the soft gate's temperature where A > 0 (larger: fades sooner off-policy)
+    sapo_tau_neg: float = 1.05  # sapo: ... where A <= 0 (the paper: above sapo_tau_pos)
+    clip_cov_ratio: float = 2e-4  # clip_cov: fraction of a micro-batch's response tokens whose gradient is detached
+    clip_cov_lb: float = 1.0  # clip_cov: only tokens whose covariance is above this ...
+    clip_cov_ub: float = 5.0  # ... and below this may be picked
+    kl_cov_ratio: float = 2e-4  # kl_cov: fraction of a micro-batch's response tokens (highest covariance) penalised
+    kl_cov_coef: float = 0.1  # kl_cov: weight of |logp - old_logp| on those tokens (verl's ppo_kl_coef)
     entropy_coeff: float = 0.0  # weight of the entropy bonus (subtracted from the loss)
     kl_coeff: float = 0.001  # weight of KL(actor || reference) as a loss term; 0 turns the term off
     kl_estimator: str = "k3"  # k1 | k2 | k3 (the KL loss term's estimator)

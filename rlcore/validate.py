@@ -329,6 +329,7 @@ def _check_algorithm_ranges(cfg: JobConfig) -> None:
     if loss.policy_loss == "dual_clip" and not loss.clip_ratio_c > 1:
         raise ConfigError(f"actor.loss.clip_ratio_c={loss.clip_ratio_c} must be above 1 for "
                           "actor.loss.policy_loss=dual_clip")
+    _check_policy_loss_knobs(loss)
     lo, hi = loss.rollout_is_threshold_low, loss.rollout_is_threshold
     if loss.rollout_correction in ("icepop", "seq_mask") and not lo < hi:
         raise ConfigError(f"actor.loss.rollout_is_threshold_low={lo} must be below "
@@ -340,6 +341,25 @@ def _check_algorithm_ranges(cfg: JobConfig) -> None:
     if alg.overlong_buffer.enable and alg.overlong_buffer.len > cfg.rollout.max_response_length:
         raise ConfigError(f"algorithm.overlong_buffer.len={alg.overlong_buffer.len} exceeds "
                           f"rollout.max_response_length={cfg.rollout.max_response_length}")
+
+
+def _check_policy_loss_knobs(loss) -> None:
+    """The knobs of the policy loss chosen (the others are not read, so not checked)."""
+    name = loss.policy_loss
+    keys = {"sapo": ("sapo_tau_pos", "sapo_tau_neg"), "clip_cov": ("clip_cov_ratio",),
+            "kl_cov": ("kl_cov_ratio", "kl_cov_coef")}.get(name, ())
+    for key in keys:
+        value = getattr(loss, key)
+        if key.endswith("_ratio") and not 0 < value <= 1:
+            raise ConfigError(f"actor.loss.{key}={value} must be in (0, 1] (the fraction of a micro-batch's "
+                              f"response tokens picked) for actor.loss.policy_loss={name}")
+        if key.startswith("sapo_tau") and not value > 0:
+            raise ConfigError(f"actor.loss.{key}={value} must be positive for actor.loss.policy_loss={name}")
+        if key == "kl_cov_coef" and value < 0:
+            raise ConfigError(f"actor.loss.{key}={value} must not be negative for actor.loss.policy_loss={name}")
+    if name == "clip_cov" and not loss.clip_cov_lb < loss.clip_cov_ub:
+        raise ConfigError(f"actor.loss.clip_cov_lb={loss.clip_cov_lb} must be below actor.loss.clip_cov_ub="
+                          f"{loss.clip_cov_ub} (the band of covariances whose tokens may be picked)")
 
 
 def _check_resume(resume: str) -> None:
