@@ -645,3 +645,31 @@ def test_vpp_resolves_for_every_role_and_the_reference_inherits_the_actors(files
 ])
 def test_vpp_errors_name_the_key_and_the_rule(files, overrides, parts):
     assert_in(validate_error(files, eight_layers(files), *overrides), *parts)
+
+
+# ------------------------------------------------------------------ micro-batch shape (packing)
+@pytest.mark.parametrize("overrides, parts", [
+    (["actor.max_tokens_per_micro_batch=0"], ["actor.max_tokens_per_micro_batch=0 must be positive"]),
+    (["reference.max_tokens_per_micro_batch=-5"], ["reference.max_tokens_per_micro_batch=-5 must be positive"]),
+    (["actor.pp=2", "actor.vpp=2", "actor.shared_prompt=true"],
+     ["actor.shared_prompt with actor.vpp=2", "same shape"]),
+    (["actor.pp=2", "actor.vpp=2", "actor.max_tokens_per_micro_batch=512"],
+     ["actor.max_tokens_per_micro_batch with actor.vpp=2"]),
+    # The reference inherits the actor's shape (and vpp), unless it sets its own.
+    (["actor.pp=2", "actor.vpp=2", "reference.vpp=2", "reference.shared_prompt=true"],
+     ["reference.shared_prompt with reference.vpp=2"]),
+])
+def test_micro_batch_shape_errors_name_the_key(files, overrides, parts):
+    assert_in(validate_error(files, eight_layers(files), *overrides), *parts)
+
+
+def test_token_budget_needs_only_an_even_dp_split(files):
+    # 64 sequences, micro_batch_size 7 would not divide them: under a token budget it is unused.
+    validate(job(files, "actor.micro_batch_size=7", "reference.micro_batch_size=7", "actor.max_tokens_per_micro_batch=256"))
+    assert "actor.micro_batch_size=7" in validate_error(files, "actor.micro_batch_size=7", "reference.micro_batch_size=7")
+
+
+def test_shared_prompt_is_refused_on_the_gpu_profile(files):
+    message = validate_error(files, "resources.device=gpu", "model.dtype=bfloat16", "actor.shared_prompt=true")
+    assert_in(message, "actor.shared_prompt=true needs the cpu profile", "set it false")
+    validate(job(files, "resources.device=cpu", "actor.shared_prompt=true"))
