@@ -127,6 +127,7 @@ def main(argv: list[str]) -> int:
     ordered = [train_rows[i] for i in job["order"]]
     reward = make_reward(job["reward_function"], tokenizer)
 
+    # fp32 weights either way: bf16 is the Trainer's autocast, as TRL users run it.
     model = AutoModelForCausalLM.from_pretrained(job["model_path"], dtype=torch.float32)
     eos_ids = model.generation_config.eos_token_id
     eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids or [])
@@ -145,7 +146,7 @@ def main(argv: list[str]) -> int:
         max_grad_norm=job["clip_grad"],
         beta=job["beta"], epsilon=job["clip_ratio_low"], epsilon_high=job["clip_ratio_high"],
         loss_type=job["loss_type"], scale_rewards=job["scale_rewards"],
-        bf16=False, fp16=False, use_cpu=True, gradient_checkpointing=job["gradient_checkpointing"],
+        bf16=job["bf16"], fp16=False, use_cpu=True, gradient_checkpointing=job["gradient_checkpointing"],
         logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
         remove_unused_columns=False, log_completions=False,
     )
@@ -178,7 +179,8 @@ def main(argv: list[str]) -> int:
         "step_s": clock.times, "logs": clock.logs, "val_before": acc_before, "val_after": acc_after,
         "val_questions": len(val_rows), "startup_s": startup_s,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "bf16": job["bf16"],
+        "gradient_checkpointing": job["gradient_checkpointing"],
         "versions": {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__},
     }
     with open(argv[1], "w") as f:

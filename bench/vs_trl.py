@@ -11,13 +11,14 @@ The same job on both sides: the job spec's HF model folder, train and validation
 function (scored by ``rlcore.reward`` on both sides), rollout.n (TRL's num_generations),
 temperature, top-p/top-k, max new tokens, learning rate (constant, Adam's betas, epsilon, weight
 decay, gradient clipping), batch (data.batch_size prompts x n samples per optimizer step),
-``num_iterations=1``, the clip range, ``beta`` = actor.loss.kl_coeff (both k3) and the loss
+``num_iterations=1``, the clip range, ``beta`` = actor.loss.kl_coeff (both k3), the loss
 aggregation (token-mean = TRL's ``dapo``, seq-mean-token-mean = ``grpo``, seq-mean-token-sum-norm =
-``dr_grpo``), fp32 weights, and the training prompts in the same order: the trainer's loader order,
-fed to TRL unshuffled. A setting TRL's trainer cannot reproduce is an error naming the key. TRL
-generates with HF ``generate`` in its one process on ``--trl-threads`` threads (default 2), with
-gradient checkpointing off unless ``--trl-gradient-checkpointing`` (TRL's default is on; this
-trainer does not recompute activations).
+``dr_grpo``), the precision (model.dtype: float32, or bfloat16 = TRL's ``bf16``), and the training
+prompts in the same order: the trainer's loader order, fed to TRL unshuffled. A setting TRL's trainer
+cannot reproduce is an error naming the key. Everything else is TRL's default, as a user gets it:
+HF ``generate`` in one process on ``--trl-threads`` threads (default 2), gradient checkpointing on
+(``--trl-no-gradient-checkpointing`` turns it off: faster, more memory; this trainer does not
+recompute activations).
 
 Step time: median over the N steps of each (``--skip N`` leaves the first steps out of both medians).
 Peak memory: TRL's one process; ours summed over every process of the job (driver, each Megatron
@@ -46,9 +47,9 @@ class NotComparable(ValueError):
     """A job setting TRL's GRPOTrainer has no equivalent for."""
 
 
-def trl_job(cfg, steps: int, threads: int, gradient_checkpointing: bool, out_dir: str) -> dict:
-    """The JSON job for bench/trl_grpo.py: the job spec's settings in TRL's terms (the training
-    order is added by the caller)."""
+def trl_job(cfg, dtype: str, steps: int, threads: int, gradient_checkpointing: bool, out_dir: str) -> dict:
+    """The JSON job for bench/trl_grpo.py: the job spec's settings in TRL's terms (``dtype``: the
+    resolved model dtype; the training order is added by the caller)."""
     a, r, alg, loss = cfg.actor, cfg.rollout, cfg.algorithm, cfg.actor.loss
 
     def refuse(key: str, value, expected: str):
@@ -92,7 +93,7 @@ def trl_job(cfg, steps: int, threads: int, gradient_checkpointing: bool, out_dir
         adam_eps=o.adam_eps, clip_grad=o.clip_grad, beta=loss.kl_coeff,
         clip_ratio_low=loss.clip_ratio_low, clip_ratio_high=loss.clip_ratio_high,
         loss_type=LOSS_TYPES[a.loss_agg_mode], scale_rewards="group" if alg.norm_adv_by_std else "none",
-        gradient_checkpointing=gradient_checkpointing, out_dir=out_dir,
+        bf16=dtype == "bfloat16", gradient_checkpointing=gradient_checkpointing, out_dir=out_dir,
     )
 
 
@@ -146,7 +147,8 @@ def render(spec: str, overrides: list[str], cfg, steps: int, skip: int, trl: dic
         f"{f' (medians leave out the first {skip})' if skip else ''}, back to back.",
         f"TRL {v['trl']} GRPOTrainer (transformers {v['transformers']}, HF generate, one process, "
         f"{trl['threads']} threads, loss_type={LOSS_TYPES[cfg.actor.loss_agg_mode]}, beta={cfg.actor.loss.kl_coeff:g}, "
-        f"num_iterations=1) vs this trainer (actor TP{lay.actor.tp} PP{lay.actor.pp} DP{lay.actor.dp}"
+        f"num_iterations=1, gradient checkpointing {'on' if trl['gradient_checkpointing'] else 'off'}, "
+        f"{'bf16' if trl['bf16'] else 'fp32'}) vs this trainer (actor TP{lay.actor.tp} PP{lay.actor.pp} DP{lay.actor.dp}"
         f"{' + reference' if lay.reference else ''}, {lay.rollout.engines} vLLM engine(s), {processes} processes).",
         "",
         "| | TRL | ours | ours / TRL |",
@@ -185,8 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trl-python", default=os.path.join(ROOT, ".venv-trl", "bin", "python"),
                    help="the TRL venv's python (default .venv-trl/bin/python; bench/install_trl.sh makes it)")
     p.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process (default 2)")
-    p.add_argument("--trl-gradient-checkpointing", action="store_true",
-                   help="TRL recomputes activations in the backward (its own default; off here by default)")
+    p.add_argument("--trl-no-gradient-checkpointing", action="store_true",
+                   help="TRL keeps activations instead of recomputing them (TRL's default: recompute)")
     p.add_argument("--trl-timeout", type=float, default=7200, help="seconds the TRL run may take (default 7200)")
     p.add_argument("--out", help="folder for the raw figures (default <trainer.run_dir>-vs-trl)")
     a = p.parse_args(argv)
@@ -205,10 +207,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = load_job(a.spec, a.overrides)
-        validate(cfg)
+        layout = validate(cfg)
         out = a.out or cfg.trainer.run_dir.rstrip("/") + "-vs-trl"
         os.makedirs(out, exist_ok=True)
-        job = trl_job(cfg, a.steps, a.trl_threads, a.trl_gradient_checkpointing, os.path.abspath(out))
+        job = trl_job(cfg, layout.dtype, a.steps, a.trl_threads, not a.trl_no_gradient_checkpointing,
+                      os.path.abspath(out))
     except (ConfigError, NotComparable) as e:
         print(f"vs_trl: {e}", file=sys.stderr)
         return 2
