@@ -101,6 +101,7 @@ install_stack() {
       return 3
     fi
     export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$nvcc")")}
+    "$PY" -m pip install -q ninja pybind11 setuptools wheel  # --no-build-isolation: the build's own deps
     NVTE_FRAMEWORK=pytorch NVTE_CUDA_ARCHS=$CC MAX_JOBS=$(nproc) \
       "$PY" -m pip install -q --no-build-isolation "transformer-engine[pytorch,core_cu${cuda_major}]==2.11.0"
   fi
