@@ -13,7 +13,8 @@ batch, metrics). "step / sum of phases" is each step's total over the sum of its
 Throughput counts tokens over the measured steps: generated = response tokens / rollout time,
 trained = prompt+response tokens of the update's batches / update time.
 
-The update's model FLOPs are counted per row of every batch the actor trains on: for each of the row's
+The update's model FLOPs are counted per row the model runs (with ``actor.shared_prompt`` one row per
+prompt: the prompt once, then its responses), not per row of the batch: for each of the row's
 real (prompt+response) tokens the layers' matmuls (2 x their weights), the attention scores and
 values over the tokens before it, and the output layer (2 x hidden x vocabulary) on the positions
 whose log-prob enters the loss (one per response token); x3 for forward + backward. The reference
@@ -54,6 +55,22 @@ def update_flops_per_row(hf, tokens: int, scored: int) -> float:
     attention = 4 * q * tokens * (tokens + 1) // 2
     forward = hf.num_layers * (2 * layer_weights * tokens + attention) + 2 * h * hf.vocab_size * scored
     return 3.0 * forward
+
+
+def executed_rows(batch, shared_prompt: bool) -> list[tuple[int, int]]:
+    """(tokens, scored positions) of each row the model runs for ``batch``: its own rows, or with
+    ``shared_prompt`` one row per prompt (the prompt once, then every response; packing.py)."""
+    tokens = batch["attention_mask"].sum(dim=1).tolist()
+    scored = batch["response_mask"].sum(dim=1).tolist()
+    if not shared_prompt:
+        return [(int(t), int(s)) for t, s in zip(tokens, scored)]
+    from megatron_workers.packing import prompt_groups
+
+    rows = []
+    for group in prompt_groups(batch):
+        prompt = int(tokens[group[0]] - scored[group[0]])
+        rows.append((prompt + int(sum(scored[r] for r in group)), int(sum(scored[r] for r in group))))
+    return rows
 
 
 def model_params(hf) -> int:
@@ -109,6 +126,7 @@ class TokenCounter:
         self.generated = self.trained = 0
         self.flops = 0.0
         generate, update = trainer.rollout.generate, trainer.actor.update
+        shared_prompt = trainer.cfg.actor.shared_prompt
 
         def counted_generate(*args, **kwargs):
             trajs = generate(*args, **kwargs)
@@ -118,9 +136,7 @@ class TokenCounter:
         def counted_update(batch, *args, **kwargs):
             self.trained += int(batch["attention_mask"].sum())
             if hf is not None:
-                tokens = batch["attention_mask"].sum(dim=1).tolist()
-                scored = batch["response_mask"].sum(dim=1).tolist()
-                self.flops += sum(update_flops_per_row(hf, int(t), int(s)) for t, s in zip(tokens, scored))
+                self.flops += sum(update_flops_per_row(hf, t, s) for t, s in executed_rows(batch, shared_prompt))
             return update(batch, *args, **kwargs)
 
         trainer.rollout.generate, trainer.actor.update = counted_generate, counted_update

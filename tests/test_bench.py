@@ -3,7 +3,7 @@ asserted): the update's FLOP count, the overlap figure, and how bench/vs_trl.py 
 terms, refusing what TRL cannot reproduce."""
 import pytest
 
-from bench.e2e_step import TOTAL, overlap, update_flops_per_row
+from bench.e2e_step import TOTAL, executed_rows, overlap, update_flops_per_row
 from bench.vs_trl import NotComparable, trl_job
 from rlcore.hf_config import parse_hf_config
 from rlcore.job import load_job
@@ -79,3 +79,13 @@ def test_trl_side_scores_with_the_trainers_reward_rule(tmp_path):
     scores = reward(prompts=None, completions=None, completion_ids=completions,
                     **{k: [r[k] for r in loaded] for k in ("ground_truth", "data_source", "extra_info", "row_index")})
     assert scores == [1.0, 0.0]
+
+
+def test_executed_rows_count_a_shared_prompt_once():
+    from rlcore.batch import Trajectory, build_batch
+
+    trajs = [Trajectory(0, [5, 6, 7], [8, 9], [0.0, 0.0], "stop", 0), Trajectory(0, [5, 6, 7], [10], [0.0], "stop", 0),
+             Trajectory(1, [5, 6], [11, 12, 13], [0.0] * 3, "stop", 0)]
+    batch = build_batch(trajs, pad_id=0)
+    assert executed_rows(batch, shared_prompt=False) == [(5, 2), (4, 1), (5, 3)]
+    assert executed_rows(batch, shared_prompt=True) == [(3 + 2 + 1, 3), (2 + 3, 3)]
