@@ -79,6 +79,11 @@ class ActorConfig:
     # Virtual pipeline stages per PP rank (megatron's interleaved 1F1B); > 1 needs pp > 1,
     # num_hidden_layers divisible by pp*vpp and micro-batches per DP rank a multiple of pp.
     vpp: int = 1
+    # Transformer layers per PP stage, e.g. [14, 16] (the first stage also runs the embedding, the last
+    # the output layer and the loss); None: megatron's even split. Sums to num_hidden_layers, every
+    # entry >= 1, the middle stages equal (megatron-core sets the first and last stage's count), each a
+    # multiple of vpp. `rlx plan --suggest` ranks the splits.
+    pp_layers: Optional[list[int]] = None
     micro_batch_size: int = 4  # sequences per forward/backward micro-batch, per DP rank
     # Prompts per optimizer step (each brings rollout.n sequences, as verl's ppo_mini_batch_size);
     # None: the whole data.batch_size, one step per epoch. Must divide data.batch_size.
@@ -99,6 +104,7 @@ class ReferenceConfig:
     tp: Optional[int] = None  # default: the actor's
     pp: Optional[int] = None  # default: the actor's
     vpp: Optional[int] = None  # default: the actor's
+    pp_layers: Optional[list[int]] = None  # default: the actor's when pp is the actor's, else the even split
     micro_batch_size: Optional[int] = None  # default: the actor's
 
 
@@ -112,6 +118,7 @@ class CriticConfig:
     tp: int = 1
     pp: int = 1
     vpp: int = 1  # virtual pipeline stages per PP rank, as actor.vpp
+    pp_layers: Optional[list[int]] = None  # layers per PP stage, as actor.pp_layers (None: the even split)
     micro_batch_size: int = 4  # sequences per forward/backward micro-batch, per DP rank
     # The critic's own updates; None: the actor's value (resolved_critic below fills them in).
     ppo_mini_batch_size: Optional[int] = None  # prompts per critic optimizer step; must divide data.batch_size
