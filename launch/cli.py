@@ -54,9 +54,10 @@ def _check_datasets(cfg) -> None:
 def _plan(args, cfg, layout: JobLayout) -> int:
     from launch import plan
 
-    if args.calibrate and not (args.suggest and layout.device == "cpu"):
-        raise ConfigError("rlx plan --calibrate measures the cpu profile's cost model: use it with --suggest on a "
-                          "cpu-profile spec")
+    for flag, given in (("--calibrate", args.calibrate), ("--memory-gb", args.memory_gb is not None)):
+        if given and not (args.suggest and layout.device == "cpu"):
+            raise ConfigError(f"rlx plan {flag} belongs to the cpu profile's cost model: use it with --suggest on a "
+                              "cpu-profile spec")
     if args.suggest and layout.device == "cpu":  # the job's pools are fixed: rank the actor's layouts on them
         constants = None
         if args.calibrate:
@@ -65,7 +66,7 @@ def _plan(args, cfg, layout: JobLayout) -> int:
             m, _ = plan.read_model(cfg)
             constants = calibrate(cfg.actor.micro_batch_size * (cfg.data.max_prompt_length +
                                                                 cfg.rollout.max_response_length), m.hidden, m.ffn)
-        found = plan.suggest_cpu(cfg, layout, args.top, constants)
+        found = plan.suggest_cpu(cfg, layout, args.top, constants, memory_gb=args.memory_gb)
         print(plan.format_cpu_suggestions(found, cfg))
         return 0 if found.best else 2
     if args.suggest:
@@ -104,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--gpus-per-node", type=int, help="with --suggest (default: resources.gpus_per_node)")
     plan.add_argument("--nodes", type=int, help="with --suggest (default: resources.nodes)")
     plan.add_argument("--top", type=int, default=10, help="with --suggest: how many layouts to show")
+    plan.add_argument("--memory-gb", type=float,
+                      help="with --suggest on the cpu profile: only layouts whose actor ranks need at most this much "
+                           "host memory together")
     plan.add_argument("--calibrate", action="store_true",
                       help="with --suggest on the cpu profile: measure the cost model's constants on this machine")
     from launch.slurm import add_submit_arguments

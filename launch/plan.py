@@ -578,12 +578,15 @@ def format_suggestions(s: Suggestions, gpus_per_node: int, nodes: int) -> str:
 # megatron-core 0.16.1) by `rlx plan yaml_configs/smollm2_math_cpu.yaml --suggest --calibrate`, which
 # measures them again on any machine (launch/calibrate.py says how).
 CPU_CALIBRATION = {
-    "matmul_flops": 1.0e11,  # fp32 torch matmul on one thread, FLOP/s
-    "microbatch_s": 4.6e-3,  # one more micro-batch of megatron's 1F1B schedule (forward + backward)
-    "microbatch_forward_s": 1.5e-3,  # ... forward only
-    "allreduce_s": 1.2e-4,  # gloo all-reduce latency
-    "allreduce_bytes_s": 3.3e9,  # gloo all-reduce bandwidth
-    "adam_s_per_param": 1e-9,  # torch Adam step per fp32 parameter, one thread
+    "matmul_flops": 7.9e10,  # fp32 torch matmul on one thread, FLOP/s
+    "microbatch_s": 1.5e-3,  # one more micro-batch of megatron's 1F1B schedule, per stage (forward + backward)
+    "microbatch_forward_s": 4.1e-4,  # ... forward only
+    "layer_s": 3.6e-3,  # ... and per layer of a stage (forward + backward)
+    "layer_forward_s": 1.9e-3,  # ... forward only
+    "allreduce_s": 1.6e-4,  # gloo all-reduce latency
+    "allreduce_bytes_s": 2.8e9,  # gloo all-reduce bandwidth
+    "adam_s_per_param": 1.7e-9,  # torch Adam step per fp32 parameter, one thread
+    "softmax_s_per_element": 3.3e-9,  # log-softmax + entropy over fp32 rows, per element, one thread
 }
 
 
@@ -594,6 +597,7 @@ class CpuCandidate:
     microbatches: int  # per DP rank per optimizer step
     logprob_s: float  # the forward passes (old log-probs, the reference's when it takes the actor's layout)
     update_s: float
+    memory: float  # bytes of host memory the actor's ranks hold together (the worst stage's estimate x ranks)
 
     @property
     def train_s(self) -> float:
@@ -612,6 +616,7 @@ class CpuSuggestions:
     measured: bool  # constants measured in this run (--calibrate), else the stored CPU_CALIBRATION
     seq_len: int
     layers: int
+    memory_gb: Optional[float] = None
 
 
 def _stage_splits(layers: int, pp: int) -> list[Optional[tuple[int, ...]]]:
@@ -642,17 +647,24 @@ def _cpu_pass_seconds(m: ModelDims, lay: RoleLayout, mbs: int, seq_len: int, mic
     tokens = mbs * seq_len
     layer_flops = (2 * m.layer_params(1) * tokens + 4 * tokens * seq_len * m.heads * m.head_dim) / lay.tp
     output_flops = 2 * m.vocab * m.hidden * tokens / lay.tp
+    # Memory-bound elementwise work: the attention softmax over [heads, s, s] per layer, the LM head's
+    # log-softmax and entropy over [tokens, vocab]; in seconds at one thread.
+    layer_softmax_s = mbs * m.heads / lay.tp * seq_len * seq_len * c["softmax_s_per_element"]
+    output_softmax_s = tokens * m.vocab / lay.tp * c["softmax_s_per_element"]
     factor = 3 if train else 1  # the backward is twice the forward
     allreduces = 4 if train else 2  # per layer per micro-batch under TP
     ar = 0.0
     if lay.tp > 1:
         ar = allreduces * (c["allreduce_s"] + tokens * m.hidden * 4 * 2 * (lay.tp - 1) / lay.tp / c["allreduce_bytes_s"])
-    overhead = c["microbatch_s"] if train else c["microbatch_forward_s"]
+    overhead, per_layer = (c["microbatch_s"], c["layer_s"]) if train else (c["microbatch_forward_s"],
+                                                                          c["layer_forward_s"])
     rate = c["matmul_flops"] * share
     stage_s = []
     for s, n in enumerate(lay.stage_layers(m.layers)):
-        flops = n * layer_flops + (output_flops if s == lay.pp - 1 else 0.0)
-        stage_s.append(factor * flops / rate + n * ar + overhead)
+        last = s == lay.pp - 1
+        flops = n * layer_flops + (output_flops if last else 0.0)
+        elementwise = n * layer_softmax_s + (output_softmax_s if last else 0.0)
+        stage_s.append(factor * (flops / rate + elementwise / share) + n * (ar + per_layer) + overhead)
     return _pipeline_seconds(stage_s, microbatches)
 
 
@@ -666,9 +678,11 @@ def _cpu_optimizer_seconds(m: ModelDims, lay: RoleLayout, c: dict) -> float:
 
 
 def suggest_cpu(cfg, layout: JobLayout, top: int = 10, constants: Optional[dict] = None,
-                cores: Optional[int] = None) -> CpuSuggestions:
+                cores: Optional[int] = None, memory_gb: Optional[float] = None) -> CpuSuggestions:
     """Every actor layout on the spec's actor pool (tp, pp, the stage splits, micro_batch_size) that
-    ``rlx validate`` accepts, ranked by the cpu cost model's seconds of the actor's passes per step."""
+    ``rlx validate`` accepts, ranked by the cpu cost model's seconds of the actor's passes per step;
+    with ``memory_gb``, only those whose actor ranks hold at most that much host memory together (the
+    pools share the host's memory: a DP replica holds the whole model, its gradients and Adam's state)."""
     import os
 
     from rlcore.placement import math_threads
@@ -708,29 +722,36 @@ def suggest_cpu(cfg, layout: JobLayout, top: int = 10, constants: Optional[dict]
                     batch_microbatches = max(1, batch_sequences // (lay.dp * mbs))
                     logprob = forward_passes * _cpu_pass_seconds(m, lay, mbs, seq_len, batch_microbatches, share, c,
                                                                  False)
-                    found.append(CpuCandidate(lay, mbs, microbatches, logprob, update))
+                    trial_cfg = replace(cfg, actor=replace(cfg.actor, micro_batch_size=mbs))
+                    actor_est = estimate(trial_cfg, replace(layout, actor=lay), (m, hf.source)).roles[0]
+                    memory = actor_est.total * pool
+                    if memory_gb is not None and memory > memory_gb * GB:
+                        continue
+                    found.append(CpuCandidate(lay, mbs, microbatches, logprob, update, memory))
     found.sort(key=lambda x: x.train_s)
     a = layout.actor
     spec_key = (a.tp, a.pp, a.pp_layers, cfg.actor.micro_batch_size)
     rank = next((i for i, x in enumerate(found, 1)
                  if (x.actor.tp, x.actor.pp, x.actor.pp_layers, x.micro_batch_size) == spec_key), None)
     return CpuSuggestions(found[:top], len(found), rank, found[rank - 1] if rank else None, threads, cores, c,
-                          constants is not None, seq_len, m.layers)
+                          constants is not None, seq_len, m.layers, memory_gb)
 
 
 def format_cpu_suggestions(s: CpuSuggestions, cfg) -> str:
     if not s.best:
-        return "no actor layout on this pool divides the model and the batch"
-    head = ("#", "tp", "pp", "dp", "layers per stage", "micro_batch_size", "micro-batches", "log-prob s",
-            "update s", "actor s")
+        return ("no actor layout on this pool divides the model and the batch"
+                + ("" if s.memory_gb is None else f" and fits --memory-gb {s.memory_gb:g}"))
+    head = ("#", "tp", "pp", "dp", "layers per stage", "micro_batch_size", "micro-batches", "actor GB",
+            "log-prob s", "update s", "actor s")
     rows = [head]
     for i, x in enumerate(s.best, 1):
         layers = "|".join(map(str, x.actor.stage_layers(s.layers))) if x.actor.pp > 1 else "-"
         rows.append((i, x.actor.tp, x.actor.pp, x.actor.dp, layers + ("" if x.actor.pp_layers or x.actor.pp == 1
                                                                          else " (even)"),
-                     x.micro_batch_size, x.microbatches, f"{x.logprob_s:.2f}", f"{x.update_s:.2f}", f"{x.train_s:.2f}"))
+                     x.micro_batch_size, x.microbatches, f"{x.memory / GB:.1f}", f"{x.logprob_s:.2f}", f"{x.update_s:.2f}", f"{x.train_s:.2f}"))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
-    lines = [f"the {len(s.best)} best of {s.valid} actor layouts on pool {cfg.actor.pool!r} "
+    budget = "" if s.memory_gb is None else f" within {s.memory_gb:g} GB of host memory for the actor"
+    lines = [f"the {len(s.best)} best of {s.valid} actor layouts{budget} on pool {cfg.actor.pool!r} "
              f"({cfg.resources.pools[cfg.actor.pool]} logical GPUs, {s.cores} cores, {s.threads} math thread(s) "
              "per process):"]
     lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
@@ -743,14 +764,16 @@ def format_cpu_suggestions(s: CpuSuggestions, cfg) -> str:
 measured steps):
   a pass = 1F1B over the stages: sum of the stage times + (micro-batches - 1) x the slowest stage's;
   stage time per micro-batch = (3 with the backward, else 1) x FLOPs / (matmul rate x threads) + TP
-  all-reduces + megatron's per-micro-batch cost; FLOPs = 2 x params x tokens per layer + attention
+  all-reduces + megatron's per-micro-batch cost per stage and per layer; FLOPs = 2 x params x tokens per layer + attention
   4 x tokens x seq x hidden, + the output layer on the last stage; tokens = micro_batch_size x
-  {s.seq_len} (data.max_prompt_length + rollout.max_response_length: padding to the longest is not known here)
+  {s.seq_len} (data.max_prompt_length + rollout.max_response_length: padding to the longest is not known here);
+  + softmax passes over the attention scores and the LM head's vocabulary at {k['softmax_s_per_element'] * 1e9:.1f} ns per element
   constants: matmul {k['matmul_flops'] / 1e9:.0f} GFLOP/s per thread, {k['microbatch_s'] * 1e3:.1f} ms per
-  micro-batch ({k['microbatch_forward_s'] * 1e3:.1f} ms forward only), all-reduce {k['allreduce_s'] * 1e6:.0f} us +
+  micro-batch and stage + {k['layer_s'] * 1e3:.2f} ms per layer ({k['microbatch_forward_s'] * 1e3:.1f} +
+  {k['layer_forward_s'] * 1e3:.2f} ms forward only), all-reduce {k['allreduce_s'] * 1e6:.0f} us +
   {k['allreduce_bytes_s'] / 1e9:.1f} GB/s ({'measured now' if s.measured else
   'stored: measured on the 2-core development machine; --calibrate measures them here'})
   + per optimizer step: DP's gradient all-reduce and Adam over the largest stage's parameters
   ({k['adam_s_per_param'] * 1e9:.1f} ns per parameter); the rollout and the weight sync are the same for
-  every actor layout here and not counted"""]
+  every actor layout here and not counted; actor GB: `rlx plan`'s memory estimate of the worst stage x ranks"""]
     return "\n".join(lines)

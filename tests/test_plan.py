@@ -264,7 +264,8 @@ def test_cpu_suggest_ranks_every_valid_actor_layout_and_balances_the_head(tmp_pa
     assert costs == sorted(costs)
     # Every candidate is a layout `rlx validate` accepts, as the overrides that select it.
     for c in found.best[:5] + found.best[-3:]:
-        split = [] if c.actor.pp_layers is None else [f"actor.pp_layers=[{','.join(map(str, c.actor.pp_layers))}]"]
+        split = ["actor.pp_layers=null" if c.actor.pp_layers is None else
+                 f"actor.pp_layers=[{','.join(map(str, c.actor.pp_layers))}]"]
         validate(load_job(CPU_SPEC, _cpu_spec(tmp_path, f"actor.tp={c.actor.tp}", f"actor.pp={c.actor.pp}",
                                               f"actor.micro_batch_size={c.micro_batch_size}", *split)))
     # The last stage also runs the 49152-wide tied head (about 8 layers' worth of matmuls): the best PP2
@@ -274,13 +275,19 @@ def test_cpu_suggest_ranks_every_valid_actor_layout_and_balances_the_head(tmp_pa
     assert best.actor.pp_layers[0] > best.actor.pp_layers[1]
     even = next(c for c in pp2 if c.actor.pp_layers is None and c.micro_batch_size == best.micro_batch_size)
     assert best.train_s < even.train_s
-    assert found.spec_rank == 1  # the spec uses what --suggest ranks first
-    assert rlx(["plan", CPU_SPEC, *_cpu_spec(tmp_path), "--suggest", "--top", "3"]) == 0
+    # Unbounded, two whole replicas (DP2) come first; within the 4 GB the spec's comment names, the
+    # spec's own layout does.
+    assert found.best[0].actor.dp == 2 and found.best[0].memory > 4e9
+    bounded = plan.suggest_cpu(cfg, validate(cfg), top=1000, cores=2, memory_gb=4)
+    assert bounded.valid < found.valid and all(c.memory <= 4e9 for c in bounded.best)
+    assert bounded.spec_rank == 1
+    assert rlx(["plan", CPU_SPEC, *_cpu_spec(tmp_path), "--suggest", "--memory-gb", "4", "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert "the 3 best of" in out and "cpu cost model" in out and "the spec's own layout ranks #1" in out
+    assert "within 4 GB of host memory" in out
     # --calibrate belongs to --suggest on the cpu profile.
     assert rlx(["plan", CPU_SPEC, *_cpu_spec(tmp_path), "--calibrate"]) == 2
-    assert "--calibrate measures the cpu profile's cost model" in capsys.readouterr().err
+    assert "--calibrate belongs to the cpu profile's cost model" in capsys.readouterr().err
 
 
 def test_stage_splits_are_the_ones_megatron_takes():
