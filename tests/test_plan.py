@@ -305,4 +305,6 @@ def test_calibration_measures_every_constant():
 
     constants = calibrate(tokens=64, hidden=64, ffn=128)
     assert sorted(constants) == sorted(plan.CPU_CALIBRATION)
-    assert all(0 < v < float("inf") for v in constants.values())
+    assert constants["matmul_flops"] > 0 and constants["allreduce_bytes_s"] > 0
+    # Costs are differences of timings, clipped at 0 where the machine's noise exceeds them.
+    assert all(0 <= v < float("inf") for v in constants.values())
