@@ -5,6 +5,7 @@
     rlx train    JOB.yaml [key.sub=value ...]   validate, then train
     rlx plan     JOB.yaml [key.sub=value ...]   memory per GPU of every role; fails when one cannot fit
     rlx plan     JOB.yaml --suggest --gpus-per-node G --nodes N   valid layouts, ranked by a cost model
+    rlx plan     CPU_JOB.yaml --suggest [--calibrate]   the actor's layouts on the job's pools, ranked
     rlx submit   JOB.yaml --nodes N [key.sub=value ...]   sbatch a Ray cluster on N nodes that trains JOB
     rlx export   CHECKPOINT --to hf OUT [--role actor|critic]   a checkpoint as a HuggingFace model folder
 """
@@ -53,6 +54,21 @@ def _check_datasets(cfg) -> None:
 def _plan(args, cfg, layout: JobLayout) -> int:
     from launch import plan
 
+    for flag, given in (("--calibrate", args.calibrate), ("--memory-gb", args.memory_gb is not None)):
+        if given and not (args.suggest and layout.device == "cpu"):
+            raise ConfigError(f"rlx plan {flag} belongs to the cpu profile's cost model: use it with --suggest on a "
+                              "cpu-profile spec")
+    if args.suggest and layout.device == "cpu":  # the job's pools are fixed: rank the actor's layouts on them
+        constants = None
+        if args.calibrate:
+            from launch.calibrate import calibrate
+
+            m, _ = plan.read_model(cfg)
+            constants = calibrate(cfg.actor.micro_batch_size * (cfg.data.max_prompt_length +
+                                                                cfg.rollout.max_response_length), m.hidden, m.ffn)
+        found = plan.suggest_cpu(cfg, layout, args.top, constants, memory_gb=args.memory_gb)
+        print(plan.format_cpu_suggestions(found, cfg))
+        return 0 if found.best else 2
     if args.suggest:
         gpus_per_node = args.gpus_per_node or cfg.resources.gpus_per_node
         nodes = args.nodes or cfg.resources.nodes
@@ -89,6 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--gpus-per-node", type=int, help="with --suggest (default: resources.gpus_per_node)")
     plan.add_argument("--nodes", type=int, help="with --suggest (default: resources.nodes)")
     plan.add_argument("--top", type=int, default=10, help="with --suggest: how many layouts to show")
+    plan.add_argument("--memory-gb", type=float,
+                      help="with --suggest on the cpu profile: only layouts whose actor ranks need at most this much "
+                           "host memory together")
+    plan.add_argument("--calibrate", action="store_true",
+                      help="with --suggest on the cpu profile: measure the cost model's constants on this machine")
     from launch.slurm import add_submit_arguments
 
     add_submit_arguments(submit)

@@ -14,18 +14,19 @@ from rlcore.config import JobConfig
 from rlcore.data import load_task
 from rlcore.layout import RoleLayout
 from rlcore.validate import JobLayout
-from rlcore.placement import ResourcePools, start_ray
+from rlcore.placement import ResourcePools, math_threads, start_ray
 from rlcore.roles import Roles, RoleSpec
 from rlcore.trainer import Trainer
 from rlcore.weight_sync import connect_weight_sync
 
 
 def role_spec(name: str, lay: RoleLayout, layout: JobLayout, model_path: str, micro_batch_size: int, seed: int,
-              head: str = "lm", optim=None, shared_prompt: bool = False,
+              head: str = "lm", optim=None, threads: int = 1, shared_prompt: bool = False,
               max_tokens_per_micro_batch: int | None = None) -> RoleSpec:
-    return RoleSpec(name, model_path, tp=lay.tp, pp=lay.pp, dp=lay.dp, vpp=lay.vpp, micro_batch_size=micro_batch_size,
-                    profile=layout.device, dtype=layout.dtype, seed=seed, head=head, optim=optim,
-                    shared_prompt=shared_prompt, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+    return RoleSpec(name, model_path, tp=lay.tp, pp=lay.pp, dp=lay.dp, vpp=lay.vpp, pp_layers=lay.pp_layers,
+                    micro_batch_size=micro_batch_size, profile=layout.device, dtype=layout.dtype, seed=seed,
+                    head=head, optim=optim, threads=threads, shared_prompt=shared_prompt,
+                    max_tokens_per_micro_batch=max_tokens_per_micro_batch)
 
 
 def reference_shape(cfg: JobConfig) -> dict:
@@ -34,6 +35,15 @@ def reference_shape(cfg: JobConfig) -> dict:
     return dict(shared_prompt=a.shared_prompt if r.shared_prompt is None else r.shared_prompt,
                 max_tokens_per_micro_batch=(a.max_tokens_per_micro_batch if r.max_tokens_per_micro_batch is None
                                             else r.max_tokens_per_micro_batch))
+
+
+def job_threads(cfg: JobConfig, layout: JobLayout) -> int:
+    """The math threads of every compute process of the job: a node's cores (resources.num_cpus, else
+    this machine's) shared by the processes placed on a node (all pools, all nodes alike)."""
+    roles = [r for r in (layout.actor, layout.reference, layout.critic) if r is not None]
+    processes = sum(r.tp * r.pp * r.dp for r in roles) + layout.rollout.engines * layout.rollout.tp
+    per_node = -(-processes // max(1, cfg.resources.nodes))
+    return math_threads(cfg.resources.num_cpus or os.cpu_count() or 1, per_node)
 
 
 def build_roles(cfg: JobConfig, layout: JobLayout) -> Roles:
@@ -50,24 +60,25 @@ def build_roles(cfg: JobConfig, layout: JobLayout) -> Roles:
     pools = ResourcePools(cfg.resources.pools, role_pools)
     roles = Roles(actor=None, rollout=None, on_shutdown=[pools.shutdown])
     seed, a, c = cfg.trainer.seed, cfg.actor, cfg.critic
+    threads = job_threads(cfg, layout)
     try:
         roles.actor = MegatronGroup(role_spec("actor", layout.actor, layout, cfg.model.path, a.micro_batch_size,
-                                              seed, optim=a.optim, shared_prompt=a.shared_prompt,
+                                              seed, optim=a.optim, threads=threads, shared_prompt=a.shared_prompt,
                                               max_tokens_per_micro_batch=a.max_tokens_per_micro_batch),
                                     pools.placement("actor"))
         if layout.reference:  # only when a KL term needs it
             roles.reference = MegatronGroup(role_spec("reference", layout.reference, layout, cfg.model.path,
                                                       cfg.reference.micro_batch_size or a.micro_batch_size, seed,
-                                                      **reference_shape(cfg)),
+                                                      threads=threads, **reference_shape(cfg)),
                                             pools.placement("reference"))
         if layout.critic:  # PPO's value model: only when the advantage estimator needs values
             roles.critic = MegatronGroup(role_spec("critic", layout.critic, layout, c.model_path or cfg.model.path,
                                                    c.micro_batch_size, seed, head="value", optim=c.optim,
-                                                   shared_prompt=c.shared_prompt,
+                                                   threads=threads, shared_prompt=c.shared_prompt,
                                                    max_tokens_per_micro_batch=c.max_tokens_per_micro_batch),
                                          pools.placement("critic"))
         roles.rollout = RolloutPool(cfg.model.path, cfg.rollout, pools.placement("rollout"), layout.device,
-                                    layout.dtype, seed)
+                                    layout.dtype, seed, threads=threads)
         connect_weight_sync(roles.actor, roles.rollout, cfg.rollout.engines, cfg.rollout.bucket_mb * 1024 ** 2,
                             layout.dtype, cfg.rollout.weight_transport)
     except BaseException:

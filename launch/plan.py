@@ -24,10 +24,10 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from rlcore.config import resolved_critic
+from rlcore.config import on_policy_update, resolved_critic
 from rlcore.hf_config import HFModelSpec, parse_hf_config, read_hf_config
 from rlcore.job import ConfigError
-from rlcore.layout import RoleLayout
+from rlcore.layout import RoleLayout, check_micro_batches, check_model_split, stage_layers
 from rlcore.validate import JobLayout
 
 GB = 1e9
@@ -97,12 +97,13 @@ class ModelDims:
         mlp = h * 2 * self.ffn + self.ffn * h
         return (qkv + proj + mlp) // tp + 2 * h
 
-    def stage_params(self, tp: int, pp: int, stage: int, value_head: bool = False) -> int:
-        """Parameters of one rank of pipeline stage ``stage`` (megatron GPTModel): its layers, the
-        word embeddings on the first stage, the final norm and the output layer on the last. Tied
-        embeddings still hold a copy on the last stage when PP > 1 (megatron syncs it). The critic's
-        value head (``value_head``) replaces the output layer with a replicated Linear(hidden, 1)."""
-        n = self.layers // pp * self.layer_params(tp)
+    def stage_params(self, tp: int, pp: int, stage: int, value_head: bool = False, pp_layers=None) -> int:
+        """Parameters of one rank of pipeline stage ``stage`` (megatron GPTModel): its layers (``pp_layers``
+        per stage, or the even split), the word embeddings on the first stage, the final norm and the
+        output layer on the last. Tied embeddings still hold a copy on the last stage when PP > 1
+        (megatron syncs it). The critic's value head (``value_head``) replaces the output layer with a
+        replicated Linear(hidden, 1)."""
+        n = stage_layers(self.layers, pp, pp_layers)[stage] * self.layer_params(tp)
         embedding = self.vocab // tp * self.hidden
         if stage == 0:
             n += embedding
@@ -177,24 +178,27 @@ def _activation_bytes_per_token_layer(m: ModelDims, tp: int, device: str, seq_le
 
 def _train_role(m: ModelDims, role: str, lay: RoleLayout, dtype: str, device: str, seq_len: int,
                 micro_batch: int, microbatches: int, trainable: bool, distributed_optimizer: bool,
-                value_head: bool = False) -> RoleEstimate:
+                value_head: bool = False, scored_per_row: Optional[int] = None) -> RoleEstimate:
     wbytes = BYTES[dtype]
     tokens = micro_batch * seq_len
     per_layer = _activation_bytes_per_token_layer(m, lay.tp, device, seq_len, wbytes) * tokens
-    logits = 0.0 if value_head else 2 * tokens * (m.vocab / lay.tp) * 4  # fp32 logits and their softmax
+    # fp32 logits and their softmax, at the positions that score a response token only
+    scored = micro_batch * (seq_len if scored_per_row is None else scored_per_row)
+    logits = 0.0 if value_head else 2 * scored * (m.vocab / lay.tp) * 4
     worst: Optional[RoleEstimate] = None
+    layers = lay.stage_layers(m.layers)
     for stage in range(lay.pp):
-        params = m.stage_params(lay.tp, lay.pp, stage, value_head)
+        params = m.stage_params(lay.tp, lay.pp, stage, value_head, lay.pp_layers)
         last = stage == lay.pp - 1
         if trainable:
             # 1F1B: stage s holds the activations of up to pp - s micro-batches before its first backward.
-            in_flight = min(lay.pp - stage, microbatches) * (m.layers // lay.pp)  # micro-batch x layers
+            in_flight = min(lay.pp - stage, microbatches) * layers[stage]  # micro-batch x layers
             if lay.vpp > 1:
                 # Interleaved 1F1B (megatron's get_pp_rank_microbatches): 2(pp - s - 1) + (vpp - 1) pp
                 # warm-up forwards of one chunk (layers / (pp vpp) layers) each, plus the one in flight;
                 # on stage 0 that is layers * (1 + (pp - 1) / (pp vpp)), the Megatron paper's figure.
                 chunks = min(2 * (lay.pp - stage - 1) + (lay.vpp - 1) * lay.pp + 1, microbatches * lay.vpp)
-                in_flight = chunks * (m.layers // (lay.pp * lay.vpp))
+                in_flight = chunks * (layers[stage] // lay.vpp)
             acts = in_flight * per_layer + (logits if last else 0.0)
             master = 4 if dtype == "bfloat16" else 0  # fp32 copy of bf16 weights
             optim = params * (8 + master) / (lay.dp if distributed_optimizer else 1)
@@ -208,7 +212,8 @@ def _train_role(m: ModelDims, role: str, lay: RoleLayout, dtype: str, device: st
             worst = est
     if lay.pp > 1:
         worst.notes.append(f"worst pipeline stage of {lay.pp}"
-                           + (f", {lay.vpp} virtual stages each" if lay.vpp > 1 else ""))
+                           + (f", {lay.vpp} virtual stages each" if lay.vpp > 1 else "")
+                           + (f" (layers per stage {'|'.join(map(str, layers))})" if lay.pp_layers else ""))
     return worst
 
 
@@ -255,13 +260,14 @@ def estimate(cfg, layout: JobLayout, model: Optional[tuple[ModelDims, str]] = No
     step_sequences, _ = _updates(cfg, cfg.actor)
     gpu_memory = cfg.resources.gpu_memory_gb * GB
     a = cfg.actor
+    response = cfg.rollout.max_response_length
     roles = [_train_role(m, "actor", layout.actor, layout.dtype, layout.device, seq_len, a.micro_batch_size,
                          max(1, step_sequences // (layout.actor.dp * a.micro_batch_size)), True,
-                         a.optim.use_distributed_optimizer)]
+                         a.optim.use_distributed_optimizer, scored_per_row=response)]
     if layout.reference is not None:
         mb = cfg.reference.micro_batch_size or a.micro_batch_size
         roles.append(_train_role(m, "reference", layout.reference, layout.dtype, layout.device, seq_len, mb, 1,
-                                 False, False))
+                                 False, False, scored_per_row=response))
     critic_layout = getattr(layout, "critic", None)
     if critic_layout is not None:
         c = resolved_critic(cfg)
@@ -398,11 +404,13 @@ def _train_seconds(m: ModelDims, lay: RoleLayout, tokens: float, forward_passes:
     # A pipeline runs at its slowest stage's pace: the last one also computes the output layer.
     layer = m.layer_params(1)
     output = m.vocab * m.hidden
-    imbalance = (m.layers // lay.pp * layer + output) / ((m.layers * layer + output) / lay.pp)
+    per_stage = [n * layer for n in lay.stage_layers(m.layers)]
+    per_stage[-1] += output
+    imbalance = max(per_stage) / (sum(per_stage) / lay.pp)
     compute = flops / (lay.gpus * PEAK_FLOPS * MFU) / (1 - bubble) * imbalance
     # Per layer: 2 all-reduces of [tokens, hidden] forward, 2 more backward (ring: 2(tp-1)/tp of it).
     allreduces = (4 if with_update else 0) + 2 * forward_passes
-    tp_bytes = allreduces * (m.layers // lay.pp) * (tokens / lay.dp) * m.hidden * 2 * 2 * (lay.tp - 1) / lay.tp
+    tp_bytes = allreduces * max(lay.stage_layers(m.layers)) * (tokens / lay.dp) * m.hidden * 2 * 2 * (lay.tp - 1) / lay.tp
     tp_comm = tp_bytes / NVLINK_BYTES_S
     dp_comm = 0.0
     if with_update and lay.dp > 1:
@@ -566,3 +574,237 @@ def format_suggestions(s: Suggestions, gpus_per_node: int, nodes: int) -> str:
     else:
         lines.append("the spec's own layout is not among them (other pools or nodes, or it does not fit)")
     return "\n".join(lines + ["", COST_MODEL])
+
+
+# ----------------------------------------------------------------------- suggest: the cpu profile
+# The cpu profile's constants, measured on the 2-core x86-64 development machine (torch 2.13.0+cpu,
+# megatron-core 0.16.1) by `rlx plan yaml_configs/smollm2_math_cpu.yaml --suggest --calibrate`, which
+# measures them again on any machine (launch/calibrate.py says how).
+CPU_CALIBRATION = {
+    "matmul_flops": 7.9e10,  # fp32 torch matmul on one thread, FLOP/s
+    "microbatch_s": 1.5e-3,  # one more micro-batch of megatron's 1F1B schedule, per stage (forward + backward)
+    "microbatch_forward_s": 4.1e-4,  # ... forward only
+    "layer_s": 3.6e-3,  # ... and per layer of a stage (forward + backward)
+    "layer_forward_s": 1.9e-3,  # ... forward only
+    "allreduce_s": 1.6e-4,  # gloo all-reduce latency
+    "allreduce_bytes_s": 2.8e9,  # gloo all-reduce bandwidth
+    "adam_s_per_param": 1.7e-9,  # torch Adam step per fp32 parameter, one thread
+    "softmax_s_per_element": 3.3e-9,  # log-softmax + entropy over fp32 rows, per element, one thread
+}
+
+
+@dataclass
+class CpuCandidate:
+    actor: RoleLayout
+    micro_batch_size: int
+    microbatches: int  # per DP rank per optimizer step
+    logprob_s: float  # the forward passes (old log-probs, the reference's when it takes the actor's layout)
+    update_s: float
+    memory: float  # bytes of host memory the actor's ranks hold together (the worst stage's estimate x ranks)
+
+    @property
+    def train_s(self) -> float:
+        return self.logprob_s + self.update_s
+
+
+@dataclass
+class CpuSuggestions:
+    best: list[CpuCandidate]
+    valid: int
+    spec_rank: Optional[int]
+    spec: Optional[CpuCandidate]
+    threads: int
+    cores: int
+    constants: dict
+    measured: bool  # constants measured in this run (--calibrate), else the stored CPU_CALIBRATION
+    seq_len: int
+    layers: int
+    memory_gb: Optional[float] = None
+
+
+def _stage_splits(layers: int, pp: int) -> list[Optional[tuple[int, ...]]]:
+    """None (the even split, when pp divides the layers) and every uneven split megatron-core takes:
+    any first and last stage count, the middle stages equal."""
+    out: list[Optional[tuple[int, ...]]] = [None] if not layers % pp else []
+    if pp == 1:
+        return out
+    for first in range(1, layers):
+        for last in range(1, layers - first + 1):
+            middle = layers - first - last
+            if pp == 2 and middle == 0 or pp > 2 and middle >= pp - 2 and not middle % (pp - 2):
+                split = (first, *[middle // (pp - 2)] * (pp - 2), last) if pp > 2 else (first, last)
+                if len(set(split)) > 1:
+                    out.append(split)
+    return out
+
+
+def _pipeline_seconds(stage_s: list[float], microbatches: int) -> float:
+    """1F1B (and a plain forward pipeline): the first micro-batch crosses every stage, the others
+    follow at the slowest stage's pace."""
+    return sum(stage_s) + (microbatches - 1) * max(stage_s)
+
+
+@dataclass
+class MicroBatchShape:
+    """What the model runs for one micro-batch: ``rows`` rows of ``row_len`` tokens, of which
+    ``scored`` positions reach the output layer (megatron_workers/packing.py)."""
+    rows: int
+    row_len: int
+    scored: int
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.row_len
+
+    @classmethod
+    def of(cls, mbs: int, prompt_len: int, response_len: int, n: int, shared_prompt: bool) -> "MicroBatchShape":
+        """``mbs`` sequences of a ``prompt_len``-token prompt and a ``response_len``-token response;
+        with ``shared_prompt``, the rows of one prompt (``n`` per group) as one row, the prompt once."""
+        if not shared_prompt:
+            return cls(mbs, prompt_len + response_len, mbs * response_len)
+        groups = max(1, -(-mbs // n))  # a micro-batch of part of a group still runs the prompt once
+        return cls(groups, prompt_len + -(-mbs // groups) * response_len, mbs * response_len)
+
+
+def _cpu_pass_seconds(m: ModelDims, lay: RoleLayout, shape: MicroBatchShape, microbatches: int, share: float,
+                      c: dict, train: bool) -> float:
+    """One forward (``train``: forward + backward) pass of ``microbatches`` micro-batches per DP rank."""
+    tokens, rows, row_len = shape.tokens, shape.rows, shape.row_len
+    # The local attention computes the whole [row_len, row_len] score matrix of a row (masked).
+    layer_flops = (2 * m.layer_params(1) * tokens + 4 * rows * row_len * row_len * m.heads * m.head_dim) / lay.tp
+    output_flops = 2 * m.vocab * m.hidden * shape.scored / lay.tp  # only the scored positions
+    # Memory-bound elementwise work: the attention softmax over [heads, s, s] per layer, the LM head's
+    # log-softmax and entropy over [scored, vocab]; in seconds at one thread.
+    layer_softmax_s = rows * m.heads / lay.tp * row_len * row_len * c["softmax_s_per_element"]
+    output_softmax_s = shape.scored * m.vocab / lay.tp * c["softmax_s_per_element"]
+    factor = 3 if train else 1  # the backward is twice the forward
+    allreduces = 4 if train else 2  # per layer per micro-batch under TP
+    ar = 0.0
+    if lay.tp > 1:
+        ar = allreduces * (c["allreduce_s"] + tokens * m.hidden * 4 * 2 * (lay.tp - 1) / lay.tp / c["allreduce_bytes_s"])
+    overhead, per_layer = (c["microbatch_s"], c["layer_s"]) if train else (c["microbatch_forward_s"],
+                                                                          c["layer_forward_s"])
+    rate = c["matmul_flops"] * share
+    stage_s = []
+    for s, n in enumerate(lay.stage_layers(m.layers)):
+        last = s == lay.pp - 1
+        flops = n * layer_flops + (output_flops if last else 0.0)
+        elementwise = n * layer_softmax_s + (output_softmax_s if last else 0.0)
+        stage_s.append(factor * (flops / rate + elementwise / share) + n * (ar + per_layer) + overhead)
+    return _pipeline_seconds(stage_s, microbatches)
+
+
+def _cpu_optimizer_seconds(m: ModelDims, lay: RoleLayout, c: dict) -> float:
+    """After the pass: DP's gradient all-reduce, then Adam over the largest stage's parameters."""
+    params = max(m.stage_params(lay.tp, lay.pp, s, pp_layers=lay.pp_layers) for s in range(lay.pp))
+    dp = 0.0
+    if lay.dp > 1:
+        dp = c["allreduce_s"] + params * 4 * 2 * (lay.dp - 1) / lay.dp / c["allreduce_bytes_s"]
+    return dp + params * c["adam_s_per_param"]
+
+
+def suggest_cpu(cfg, layout: JobLayout, top: int = 10, constants: Optional[dict] = None,
+                cores: Optional[int] = None, memory_gb: Optional[float] = None) -> CpuSuggestions:
+    """Every actor layout on the spec's actor pool (tp, pp, the stage splits, micro_batch_size) that
+    ``rlx validate`` accepts, ranked by the cpu cost model's seconds of the actor's passes per step;
+    with ``memory_gb``, only those whose actor ranks hold at most that much host memory together (the
+    pools share the host's memory: a DP replica holds the whole model, its gradients and Adam's state)."""
+    import os
+
+    from rlcore.placement import math_threads
+
+    c = {**CPU_CALIBRATION, **(constants or {})}
+    m, _ = read_model(cfg)
+    hf = read_hf_config(cfg.model.path, cfg.model.hf_config)
+    cores = cores or cfg.resources.num_cpus or os.cpu_count() or 1
+    seq_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    step_sequences, optimizer_steps = _updates(cfg, cfg.actor)
+    batch_sequences = cfg.data.batch_size * cfg.rollout.n
+    pool = layout.actor.gpus
+    roles = [r for r in (layout.actor, layout.reference, getattr(layout, "critic", None)) if r is not None]
+    processes = sum(r.tp * r.pp * r.dp for r in roles) + layout.rollout.engines * layout.rollout.tp
+    threads = math_threads(cores, processes)
+    # While the actor computes, its ranks hold the cores (the loop runs one phase at a time): each
+    # runs its threads, or its fraction of the cores when there are more ranks than cores.
+    share = min(threads, cores / pool)
+    reference_inherits = layout.reference is not None and cfg.reference.tp is None and cfg.reference.pp is None
+    on_policy = on_policy_update(cfg) or cfg.actor.use_rollout_logprobs
+    found = []
+    for tp in [t for t in _valid_tps(m, pool) if not pool % t]:
+        for pp in [p for p in range(1, pool // tp + 1) if not (pool // tp) % p and p <= m.layers]:
+            for split in _stage_splits(m.layers, pp):
+                lay = RoleLayout(pool=layout.actor.pool, gpus=pool, tp=tp, pp=pp, dp=pool // (tp * pp),
+                                 pp_layers=split)
+                for mbs in [b for b in range(1, step_sequences + 1) if not step_sequences % b]:
+                    try:
+                        check_model_split(hf, tp, pp, 1, "actor", pp_layers=split)
+                        check_micro_batches("actor", lay, "sequences", step_sequences, "actor.micro_batch_size",
+                                            mbs, "actor.vpp")
+                    except ConfigError:
+                        continue
+                    microbatches = step_sequences // (lay.dp * mbs)
+                    shape = MicroBatchShape.of(mbs, cfg.data.max_prompt_length, cfg.rollout.max_response_length,
+                                               cfg.rollout.n, cfg.actor.shared_prompt)
+                    update = optimizer_steps * (_cpu_pass_seconds(m, lay, shape, microbatches, share, c, True)
+                                                + _cpu_optimizer_seconds(m, lay, c))
+                    # The on-policy update needs no separate old-log-prob pass; the reference's pass stays.
+                    forward_passes = (0 if on_policy else 1) + reference_inherits
+                    batch_microbatches = max(1, batch_sequences // (lay.dp * mbs))
+                    logprob = forward_passes * _cpu_pass_seconds(m, lay, shape, batch_microbatches, share, c, False)
+                    trial_cfg = replace(cfg, actor=replace(cfg.actor, micro_batch_size=mbs))
+                    actor_est = estimate(trial_cfg, replace(layout, actor=lay), (m, hf.source)).roles[0]
+                    memory = actor_est.total * pool
+                    if memory_gb is not None and memory > memory_gb * GB:
+                        continue
+                    found.append(CpuCandidate(lay, mbs, microbatches, logprob, update, memory))
+    found.sort(key=lambda x: x.train_s)
+    a = layout.actor
+    spec_key = (a.tp, a.pp, a.pp_layers, cfg.actor.micro_batch_size)
+    rank = next((i for i, x in enumerate(found, 1)
+                 if (x.actor.tp, x.actor.pp, x.actor.pp_layers, x.micro_batch_size) == spec_key), None)
+    return CpuSuggestions(found[:top], len(found), rank, found[rank - 1] if rank else None, threads, cores, c,
+                          constants is not None, seq_len, m.layers, memory_gb)
+
+
+def format_cpu_suggestions(s: CpuSuggestions, cfg) -> str:
+    if not s.best:
+        return ("no actor layout on this pool divides the model and the batch"
+                + ("" if s.memory_gb is None else f" and fits --memory-gb {s.memory_gb:g}"))
+    head = ("#", "tp", "pp", "dp", "layers per stage", "micro_batch_size", "micro-batches", "actor GB",
+            "log-prob s", "update s", "actor s")
+    rows = [head]
+    for i, x in enumerate(s.best, 1):
+        layers = "|".join(map(str, x.actor.stage_layers(s.layers))) if x.actor.pp > 1 else "-"
+        rows.append((i, x.actor.tp, x.actor.pp, x.actor.dp, layers + ("" if x.actor.pp_layers or x.actor.pp == 1
+                                                                         else " (even)"),
+                     x.micro_batch_size, x.microbatches, f"{x.memory / GB:.1f}", f"{x.logprob_s:.2f}", f"{x.update_s:.2f}", f"{x.train_s:.2f}"))
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
+    budget = "" if s.memory_gb is None else f" within {s.memory_gb:g} GB of host memory for the actor"
+    lines = [f"the {len(s.best)} best of {s.valid} actor layouts{budget} on pool {cfg.actor.pool!r} "
+             f"({cfg.resources.pools[cfg.actor.pool]} logical GPUs, {s.cores} cores, {s.threads} math thread(s) "
+             "per process):"]
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    if s.spec_rank is not None:
+        lines.append(f"the spec's own layout ranks #{s.spec_rank} of {s.valid} ({s.spec.train_s:.2f} s)")
+    else:
+        lines.append("the spec's own layout is not among them")
+    k = s.constants
+    lines += ["", f"""cpu cost model (the actor's seconds per step, to rank layouts; docs/cpu-profile.md compares it with
+measured steps):
+  a pass = 1F1B over the stages: sum of the stage times + (micro-batches - 1) x the slowest stage's;
+  stage time per micro-batch = (3 with the backward, else 1) x FLOPs / (matmul rate x threads) + TP
+  all-reduces + megatron's per-micro-batch cost per stage and per layer; FLOPs = 2 x params x tokens per layer + attention
+  4 x rows x row length^2 x hidden, + the output layer on the last stage at the scored (response) positions only;
+  rows of data.max_prompt_length + rollout.max_response_length = {s.seq_len} tokens, or with actor.shared_prompt one
+  row per prompt in the micro-batch (the prompt once, then its responses); lengths are the maximum, padding to the
+  longest is not known here; the on-policy update needs no separate log-prob pass;
+  + softmax passes over the attention scores and the LM head's vocabulary at {k['softmax_s_per_element'] * 1e9:.1f} ns per element
+  constants: matmul {k['matmul_flops'] / 1e9:.0f} GFLOP/s per thread, {k['microbatch_s'] * 1e3:.1f} ms per
+  micro-batch and stage + {k['layer_s'] * 1e3:.2f} ms per layer ({k['microbatch_forward_s'] * 1e3:.1f} +
+  {k['layer_forward_s'] * 1e3:.2f} ms forward only), all-reduce {k['allreduce_s'] * 1e6:.0f} us +
+  {k['allreduce_bytes_s'] / 1e9:.1f} GB/s ({'measured now' if s.measured else
+  'stored: measured on the 2-core development machine; --calibrate measures them here'})
+  + per optimizer step: DP's gradient all-reduce and Adam over the largest stage's parameters
+  ({k['adam_s_per_param'] * 1e9:.1f} ns per parameter); the rollout and the weight sync are the same for
+  every actor layout here and not counted; actor GB: `rlx plan`'s memory estimate of the worst stage x ranks"""]
+    return "\n".join(lines)

@@ -53,9 +53,9 @@ class MegatronEngine:
             raise ValueError(f"{spec.name}: micro_batch_size must be >= 1, got {spec.micro_batch_size}")
         # The layout itself (TP/PP/VPP against the model) is rlcore.layout's check, which the group
         # runs before any engine starts.
-        # One math thread per worker process: on a shared 2-core box, two threads per process were
-        # 5-100x slower whenever another process held a core (docs/cpu-profile.md).
-        torch.set_num_threads(1)
+        # The rank's share of the cores (RoleSpec.threads): more threads than cores in all were 5-100x
+        # slower on a shared 2-core box whenever another process held a core (docs/cpu-profile.md).
+        torch.set_num_threads(spec.threads)
         self.spec, self.head, self.rank = spec, HEADS[spec.head], rank
         self.role, self.model_path, self.profile, self.dtype = spec.name, spec.model_path, spec.profile, spec.dtype
         self.tp, self.pp, self.dp, self.vpp = spec.tp, spec.pp, spec.dp, spec.vpp
@@ -116,7 +116,8 @@ class MegatronEngine:
             tensor_parallel.model_parallel_cuda_manual_seed(self.seed)
 
         self.hf = read_hf_config(self.model_path)
-        self.config = transformer_config(self.hf, self.profile, self.dtype, self.tp, self.pp, self.vpp)
+        self.config = transformer_config(self.hf, self.profile, self.dtype, self.tp, self.pp, self.vpp,
+                                         self.spec.pp_layers)
         # Unwrapped chunks: their names map to HF. One chunk per virtual stage, in layer order
         # (vp_stage None: no virtual stages). Built in the same order on every rank: a chunk holding a
         # tied embedding all-reduces it at construction.

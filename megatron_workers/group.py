@@ -28,7 +28,8 @@ class MegatronGroup:
         if min(spec.tp, spec.pp, spec.dp) < 1:
             raise ValueError(f"{spec.name}: TP, PP and DP must be >= 1, got TP={spec.tp} PP={spec.pp} DP={spec.dp}")
         # The same check as `rlx validate`, before any engine starts.
-        check_model_split(read_hf_config(spec.model_path), spec.tp, spec.pp, spec.vpp, spec.name)
+        check_model_split(read_hf_config(spec.model_path), spec.tp, spec.pp, spec.vpp, spec.name,
+                          pp_layers=spec.pp_layers)
         if len(placement.bundle_indices) < spec.world_size:
             raise ValueError(f"{spec.name}: TP x PP x DP = {spec.world_size} ranks, but pool {placement.pool!r} has "
                              f"{len(placement.bundle_indices)} GPUs")

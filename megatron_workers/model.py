@@ -14,7 +14,7 @@ import torch
 
 from rlcore import hf_config
 from rlcore.hf_config import HFModelSpec  # noqa: F401  (the workers and hf_weights.py type with it)
-from rlcore.layout import check_model_split
+from rlcore.layout import check_model_split, first_last_stage_layers
 
 PROFILES = ("cpu", "gpu")
 MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -28,9 +28,13 @@ def read_hf_config(model_path: str) -> HFModelSpec:
     return hf_config.read_hf_config(model_path, key=None)
 
 
-def transformer_config(hf: HFModelSpec, profile: str, dtype: str, tp: int, pp: int, vpp: int = 1):
+def transformer_config(hf: HFModelSpec, profile: str, dtype: str, tp: int, pp: int, vpp: int = 1,
+                       pp_layers=None):
     """The TransformerConfig of ``hf`` under TP=``tp``, PP=``pp`` (each PP rank holding ``vpp`` model
-    chunks: the interleaved 1F1B schedule when ``vpp`` > 1) on the given device profile."""
+    chunks: the interleaved 1F1B schedule when ``vpp`` > 1) on the given device profile; ``pp_layers``:
+    the transformer layers of each PP stage (None: megatron's even split). Every layer index elsewhere
+    (HF names, weight sync, checkpoints) comes from megatron's own offsets, so an uneven split needs
+    nothing else."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -41,7 +45,8 @@ def transformer_config(hf: HFModelSpec, profile: str, dtype: str, tp: int, pp: i
     if profile == "cpu" and dtype != "float32":
         raise ValueError(f"the cpu profile runs in float32 (got dtype {dtype!r})")
     # The same check `rlx validate` ran on the job spec, again as a guard: the two cannot disagree.
-    check_model_split(hf, tp, pp, vpp)
+    check_model_split(hf, tp, pp, vpp, pp_layers=pp_layers)
+    first_stage_layers, last_stage_layers = first_last_stage_layers(pp, pp_layers)
     torch_dtype = MODEL_DTYPES[dtype]
     gpu = profile == "gpu"
     return TransformerConfig(
@@ -67,6 +72,9 @@ def transformer_config(hf: HFModelSpec, profile: str, dtype: str, tp: int, pp: i
         perform_initialization=True,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        # An uneven split: megatron-core's first/last stage counts, the middle stages share the rest.
+        num_layers_in_first_pipeline_stage=first_stage_layers,
+        num_layers_in_last_pipeline_stage=last_stage_layers,
         # None (not 1) without interleaving: megatron picks its schedule and layer offsets from it.
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         # Interleaved: point-to-point ops per direction, as Megatron-LM's defaults for it. Batched ops

@@ -90,6 +90,11 @@ class ActorConfig:
     # Virtual pipeline stages per PP rank (megatron's interleaved 1F1B); > 1 needs pp > 1,
     # num_hidden_layers divisible by pp*vpp and micro-batches per DP rank a multiple of pp.
     vpp: int = 1
+    # Transformer layers per PP stage, e.g. [14, 16] (the first stage also runs the embedding, the last
+    # the output layer and the loss); None: megatron's even split. Sums to num_hidden_layers, every
+    # entry >= 1, the middle stages equal (megatron-core sets the first and last stage's count), each a
+    # multiple of vpp. `rlx plan --suggest` ranks the splits.
+    pp_layers: Optional[list[int]] = None
     micro_batch_size: int = 4  # sequences per forward/backward micro-batch, per DP rank
     # Prompts per optimizer step (each brings rollout.n sequences, as verl's ppo_mini_batch_size);
     # None: the whole data.batch_size, one step per epoch. Must divide data.batch_size.
@@ -118,6 +123,7 @@ class ReferenceConfig:
     tp: Optional[int] = None  # default: the actor's
     pp: Optional[int] = None  # default: the actor's
     vpp: Optional[int] = None  # default: the actor's
+    pp_layers: Optional[list[int]] = None  # default: the actor's when pp is the actor's, else the even split
     micro_batch_size: Optional[int] = None  # default: the actor's
     shared_prompt: Optional[bool] = None  # default: the actor's
     max_tokens_per_micro_batch: Optional[int] = None  # default: the actor's
@@ -133,6 +139,7 @@ class CriticConfig:
     tp: int = 1
     pp: int = 1
     vpp: int = 1  # virtual pipeline stages per PP rank, as actor.vpp
+    pp_layers: Optional[list[int]] = None  # layers per PP stage, as actor.pp_layers (None: the even split)
     micro_batch_size: int = 4  # sequences per forward/backward micro-batch, per DP rank
     shared_prompt: bool = False  # as actor.shared_prompt
     max_tokens_per_micro_batch: Optional[int] = None  # as actor.max_tokens_per_micro_batch
@@ -259,6 +266,16 @@ class JobConfig:
 # old ones with a sentence naming the new, from a job file and from an override alike).
 MOVED_KEYS = {**{f"actor.{f.name}": f"actor.loss.{f.name}" for f in dataclasses.fields(LossConfig)},
               **{f"critic.{f.name}": f"critic.loss.{f.name}" for f in dataclasses.fields(CriticLossConfig)}}
+
+
+def on_policy_update(cfg: JobConfig) -> bool:
+    """Whether the actor's update is the first and only use of the sampling weights on a batch (one
+    epoch, one mini-batch): then the update's own forward is the old policy and the separate
+    old-log-prob pass is skipped. Not when the advantages need the old log-probs first (the in-reward
+    KL) or the engine's log-probs stand in for them (actor.use_rollout_logprobs)."""
+    a = cfg.actor
+    return (a.ppo_epochs == 1 and a.ppo_mini_batch_size in (None, cfg.data.batch_size)
+            and not a.use_rollout_logprobs and not cfg.algorithm.kl_in_reward)
 
 
 def resolved_critic(cfg: JobConfig) -> CriticConfig:

@@ -8,6 +8,7 @@ dotted key to change.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional, Sequence
 
 from rlcore.hf_config import HFModelSpec
 from rlcore.job import ConfigError
@@ -25,6 +26,23 @@ class RoleLayout:
     pp: int
     dp: int
     vpp: int = 1  # virtual pipeline stages (model chunks) per PP rank
+    pp_layers: Optional[tuple[int, ...]] = None  # transformer layers per PP stage; None: megatron's even split
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        return stage_layers(num_layers, self.pp, self.pp_layers)
+
+
+def stage_layers(num_layers: int, pp: int, pp_layers: Optional[Sequence[int]] = None) -> list[int]:
+    """Transformer layers on each PP stage: ``pp_layers`` as given, or megatron's even split."""
+    return list(pp_layers) if pp_layers is not None else [num_layers // pp] * pp
+
+
+def first_last_stage_layers(pp: int, pp_layers: Optional[Sequence[int]]) -> tuple[Optional[int], Optional[int]]:
+    """megatron-core's ``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage``
+    for a checked ``pp_layers`` (None, None: the even split, which is also what an even list means)."""
+    if pp_layers is None or pp == 1 or len(set(pp_layers)) == 1:
+        return None, None
+    return pp_layers[0], pp_layers[-1]
 
 
 @dataclass
@@ -36,12 +54,13 @@ class RolloutLayout:
 
 
 def check_model_split(model: HFModelSpec, tp: int, pp: int, vpp: int = 1, role: str = "",
-                      inherited: tuple[str, ...] = ()) -> None:
-    """Megatron's TP x PP (x VPP model chunks per PP rank) split of ``model``. ``role`` prefixes the
-    keys in messages (``actor`` -> ``actor.tp``; empty: plain ``tp``); the names in ``inherited``
-    (of tp, pp, vpp) are said to be the actor's."""
+                      inherited: tuple[str, ...] = (), pp_layers: Optional[Sequence[int]] = None) -> None:
+    """Megatron's TP x PP (x VPP model chunks per PP rank) split of ``model``, with ``pp_layers``
+    transformer layers per PP stage (None: the even split). ``role`` prefixes the keys in messages
+    (``actor`` -> ``actor.tp``; empty: plain ``tp``); the names in ``inherited`` (of tp, pp, vpp,
+    pp_layers) are said to be the actor's."""
 
-    def key(name: str, value: int) -> str:
+    def key(name: str, value) -> str:
         return f"{role + '.' if role else ''}{name}" + (INHERITED if name in inherited else "") + f"={value}"
 
     src = model.source
@@ -57,15 +76,38 @@ def check_model_split(model: HFModelSpec, tp: int, pp: int, vpp: int = 1, role: 
     for size, what, hf_key in split_by_tp:
         if size % tp:
             raise ConfigError(f"{key('tp', tp)} does not divide the model's {what} ({src}: {hf_key})")
-    if model.num_layers % pp:
-        raise ConfigError(f"{key('pp', pp)} does not divide the model's {model.num_layers} layers "
-                          f"({src}: num_hidden_layers)")
     if vpp > 1 and pp == 1:
         raise ConfigError(f"{key('vpp', vpp)} needs {key('pp', pp)} > 1 (virtual pipeline stages split each PP "
                           f"rank's layers into chunks of megatron's interleaved schedule)")
+    if pp_layers is not None:
+        _check_pp_layers(model, pp, vpp, list(pp_layers), key)
+        return
+    if model.num_layers % pp:
+        raise ConfigError(f"{key('pp', pp)} does not divide the model's {model.num_layers} layers "
+                          f"({src}: num_hidden_layers)")
     if model.num_layers % (pp * vpp):
         raise ConfigError(f"{key('pp', pp)} x {key('vpp', vpp)} = {pp * vpp} model chunks do not divide the "
                           f"model's {model.num_layers} layers ({src}: num_hidden_layers)")
+
+
+def _check_pp_layers(model: HFModelSpec, pp: int, vpp: int, layers: list[int], key) -> None:
+    """An uneven split: megatron-core 0.16 takes the first and the last stage's layer counts
+    (``num_layers_in_first/last_pipeline_stage``) and splits the rest evenly over the middle stages."""
+    src, shown = model.source, key("pp_layers", layers)
+    if len(layers) != pp:
+        raise ConfigError(f"{shown} has {len(layers)} entries but {key('pp', pp)}: one layer count per PP stage")
+    if min(layers) < 1:
+        raise ConfigError(f"{shown}: every PP stage needs at least 1 layer")
+    if sum(layers) != model.num_layers:
+        raise ConfigError(f"{shown} sums to {sum(layers)} layers, but the model has {model.num_layers} "
+                          f"({src}: num_hidden_layers)")
+    if len(set(layers[1:-1])) > 1:
+        raise ConfigError(f"{shown}: the middle stages (all but the first and the last) must hold the same number "
+                          "of layers (megatron-core sets the first and the last stage's count and splits the rest "
+                          "evenly)")
+    if vpp > 1 and any(n % vpp for n in layers):
+        raise ConfigError(f"{shown}: with {key('vpp', vpp)} every stage's layers must split into {vpp} equal model "
+                          "chunks (each count a multiple of vpp)")
 
 
 def check_rollout_split(model: HFModelSpec, tp: int, device: str) -> None:

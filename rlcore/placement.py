@@ -9,9 +9,19 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-# Every worker process gets one math thread: on a shared 2-core box two threads per process were
-# 5-100x slower whenever another process held a core (docs/cpu-profile.md).
+# A worker process starts with one math thread; the Megatron engines and the vLLM engines then take
+# their share of the cores (``math_threads``). More threads than cores were 5-100x slower on a shared
+# 2-core box whenever another process held a core (docs/cpu-profile.md).
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def math_threads(cores: int, processes: int) -> int:
+    """Each compute process's math threads: its share of ``cores`` among the ``processes`` placed on
+    them (every Megatron rank of every role and every vLLM worker), at least one. Never more threads
+    than cores in all: oversubscribed threads wait on each other in every parallel region."""
+    if cores < 1 or processes < 1:
+        raise ValueError(f"math_threads: cores={cores} and processes={processes} must be >= 1")
+    return max(1, cores // processes)
 # vLLM logs dozens of INFO lines per engine start and per weight reload; the console is for the
 # training progress. Set VLLM_LOGGING_LEVEL=INFO in the environment to see them again.
 LOG_ENV = {"VLLM_LOGGING_LEVEL": "WARNING"}

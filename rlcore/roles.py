@@ -39,6 +39,10 @@ class RoleSpec:
     head: str = "lm"  # "lm": vocabulary logits -> log-probs; "value": a scalar per token
     optim: Optional[OptimConfig] = None  # None: forward-only (no optimizer is built)
     vpp: int = 1  # virtual pipeline stages (model chunks) per PP rank
+    pp_layers: Optional[tuple[int, ...]] = None  # transformer layers per PP stage; None: the even split
+    # Math threads of each rank (torch.set_num_threads): its share of the node's cores among every
+    # process the job places there (launch/compose.py's math_threads).
+    threads: int = 1
     # Run the rows that share a prompt as one row, the prompt once (megatron_workers/packing.py).
     shared_prompt: bool = False
     # Micro-batches by a token budget instead of micro_batch_size rows (None: by rows).

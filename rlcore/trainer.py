@@ -17,7 +17,7 @@ from rlcore import checkpoint
 from rlcore.algos import (ADV_ESTIMATORS, AdvantageInputs, apply_kl_penalty, compute_advantages, explained_variance,
                           groups_with_variance, kl_controller, last_token_rewards, loss_weights, overlong_penalty)
 from rlcore.batch import Batch, Trajectory, build_batch
-from rlcore.config import JobConfig, resolved_critic
+from rlcore.config import JobConfig, on_policy_update, resolved_critic
 from rlcore.data import PromptItem, Task
 from rlcore.metrics import MetricsLogger, timer
 from rlcore.reward import RewardError, compute_rewards
@@ -76,7 +76,7 @@ class Trainer:
         t0 = time.perf_counter()
         s = self.sample(step, m)  # timed inside: rollout and reward
         batch = build_batch(s.trajs, self.task.pad_id)
-        on_policy = self.on_policy_update()
+        on_policy = on_policy_update(cfg)  # the update's own forward gives the old log-probs
         with timer("logprob", m):
             if cfg.actor.use_rollout_logprobs:
                 batch["old_logprobs"] = batch["rollout_logprobs"]
@@ -188,15 +188,6 @@ class Trainer:
             m["critic/values_mean"] = batch["values"][valid].mean().item()
             m["critic/vf_explained_var"] = explained_variance(batch["values"], batch["returns"], mask)
         return m
-
-    def on_policy_update(self) -> bool:
-        """Whether the actor's update is the first and only use of the sampling weights on the batch
-        (one epoch, one mini-batch): then its own forward is the old policy, and the separate
-        old-log-prob pass is skipped. Not when the advantages need the old log-probs first (the
-        in-reward KL) or the engine's log-probs stand in for them."""
-        a = self.cfg.actor
-        return (a.ppo_epochs == 1 and a.ppo_mini_batch_size in (None, self.cfg.data.batch_size)
-                and not a.use_rollout_logprobs and not self.cfg.algorithm.kl_in_reward)
 
     def train_role(self, role, batch: Batch, role_cfg, **head_args) -> UpdateResult:
         """``role_cfg.ppo_epochs`` passes over ``batch`` in mini-batches of ``role_cfg.ppo_mini_batch_size``

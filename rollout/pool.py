@@ -15,7 +15,8 @@ from .engine import VLLMEngine
 
 class RolloutPool:
     def __init__(self, model_path: str, cfg: RolloutConfig, placement: RolePlacement, profile: str, dtype: str,
-                 seed: int, max_model_len: int | None = None, startup_timeout_s: float = 900.0):
+                 seed: int, max_model_len: int | None = None, startup_timeout_s: float = 900.0, threads: int = 1):
+        """``threads``: each vLLM worker's math threads (its share of the cores, launch/compose.py)."""
         need = cfg.engines * cfg.tp
         if cfg.engines < 1 or cfg.tp < 1:
             raise ValueError(f"rollout.engines={cfg.engines} and rollout.tp={cfg.tp} must be >= 1")
@@ -39,7 +40,7 @@ class RolloutPool:
                 options["num_gpus"] = 0
             self.engines.append(remote_cls.options(**options).remote(
                 model_path, cfg, profile, dtype, seed, engine_index=e, max_model_len=max_model_len,
-                ray_bundle_indices=bundles))
+                ray_bundle_indices=bundles, threads=threads))
         # Surfaces a failed engine start here, with its traceback, rather than at the first call.
         ready, pending = ray.wait([h.version.remote() for h in self.engines], num_returns=len(self.engines),
                                   timeout=startup_timeout_s)

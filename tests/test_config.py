@@ -673,3 +673,48 @@ def test_shared_prompt_is_refused_on_the_gpu_profile(files):
     message = validate_error(files, "resources.device=gpu", "model.dtype=bfloat16", "actor.shared_prompt=true")
     assert_in(message, "actor.shared_prompt=true needs the cpu profile", "set it false")
     validate(job(files, "resources.device=cpu", "actor.shared_prompt=true"))
+
+
+# ------------------------------------------------------------------------ uneven pipeline stages
+def test_pp_layers_resolve_for_every_role_and_the_reference_inherits_the_actors(files):
+    layout = validate(job(files, eight_layers(files), "actor.pp=2", "actor.pp_layers=[5,3]"))
+    assert layout.actor.pp_layers == (5, 3) and layout.actor.stage_layers(8) == [5, 3]
+    assert layout.reference.pp_layers == (5, 3)  # pp and its split are the actor's
+    # A reference with a pp of its own splits evenly unless it says otherwise.
+    ref = validate(job(files, eight_layers(files), "actor.pp=2", "actor.pp_layers=[5,3]", "reference.pp=2"))
+    assert ref.reference.pp_layers is None and ref.reference.stage_layers(8) == [4, 4]
+    assert validate(job(files, eight_layers(files), "actor.pp=2", "actor.pp_layers=[5,3]", "reference.pp=2",
+                        "reference.pp_layers=[2,6]")).reference.pp_layers == (2, 6)
+    critic = validate(job(files, eight_layers(files), "algorithm.adv_estimator=gae", CRITIC_POOLS, "critic.pp=2",
+                          "critic.pp_layers=[3,5]")).critic
+    assert critic.pp_layers == (3, 5)
+    # Three stages: any first and last count, the middle ones equal; interleaved, multiples of vpp.
+    assert validate(job(files, eight_layers(files), "resources.pools={actor: 3, rollout: 1}", "actor.pp=3",
+                        "actor.pp_layers=[1,3,4]", "actor.micro_batch_size=8")).actor.pp_layers == (1, 3, 4)
+    assert validate(job(files, eight_layers(files), "actor.pp=2", "actor.vpp=2",
+                        "actor.pp_layers=[2,6]")).actor.pp_layers == (2, 6)
+
+
+@pytest.mark.parametrize("overrides, parts", [
+    (["actor.pp=2", "actor.pp_layers=[8]"], ["actor.pp_layers=[8] has 1 entries but actor.pp=2"]),
+    (["actor.pp=2", "actor.pp_layers=[5,4]"],
+     ["actor.pp_layers=[5, 4] sums to 9 layers, but the model has 8", "num_hidden_layers"]),
+    (["actor.pp=2", "actor.pp_layers=[8,0]"], ["actor.pp_layers=[8, 0]: every PP stage needs at least 1 layer"]),
+    (["resources.pools={actor: 4, rollout: 1}", "actor.pp=4", "actor.pp_layers=[1,2,3,2]"],
+     ["actor.pp_layers=[1, 2, 3, 2]: the middle stages", "must hold the same number of layers"]),
+    (["actor.pp=2", "actor.vpp=2", "actor.pp_layers=[3,5]"],
+     ["actor.pp_layers=[3, 5]: with actor.vpp=2 every stage's layers must split into 2 equal model chunks"]),
+    (["actor.pp=2", "actor.pp_layers=[5,3]", "reference.pp=2", "reference.pp_layers=[4]"],
+     ["reference.pp_layers=[4] has 1 entries but reference.pp=2"]),
+    (["algorithm.adv_estimator=gae", CRITIC_POOLS, "critic.pp=2", "critic.pp_layers=[1,1]"],
+     ["critic.pp_layers=[1, 1] sums to 2 layers"]),
+    (["actor.pp_layers=[a,b]"], ["actor.pp_layers"]),
+])
+def test_pp_layers_errors_name_the_key_and_the_rule(files, overrides, parts):
+    cfg_error = None
+    try:
+        message = validate_error(files, eight_layers(files), *overrides)
+    except ConfigError as e:  # a mistyped list is refused when the spec is loaded
+        cfg_error = message = str(e)
+    assert_in(message, *parts)
+    assert cfg_error is None or "actor.pp_layers" in cfg_error

@@ -1,7 +1,9 @@
 """Layout equivalence: one actor update gives the same loss, metrics and updated weights under
-TP1PP1, TP2, PP2, DP2 (DP2 with the distributed optimizer) and PP2 with two virtual stages per PP
-rank (megatron's interleaved 1F1B, one layer per model chunk), from the same HF checkpoint and batch.
-Distributed checkpoints cross between TP1PP1 and TP1PP2VPP2 both ways, optimizer state included.
+TP1PP1, TP2, PP2, DP2 (DP2 with the distributed optimizer), PP2 with uneven stages (1 and 3 layers:
+megatron's first/last-stage counts) and PP2 with two virtual stages per PP rank (megatron's
+interleaved 1F1B, one layer per model chunk), from the same HF checkpoint and batch. Distributed
+checkpoints cross between TP1PP1 and TP1PP2VPP2 both ways, optimizer state included, and TP1PP1's
+loads into the uneven split.
 
 The model is a Qwen2 with qkv bias and tied embeddings, so TP splits the fused qkv bias and PP keeps
 a second copy of the embedding on the last stage, whose gradient megatron must add to the first's.
@@ -51,9 +53,9 @@ def right_padded_batch(vocab: int = 16, seed: int = 0) -> Batch:
                  loss_weights=loss_weights(response_mask, "token-mean", SEQ))
 
 
-def make_group(model_path, placement, tp, pp, dp, vpp=1):
+def make_group(model_path, placement, tp, pp, dp, vpp=1, pp_layers=None):
     return MegatronGroup(RoleSpec("actor", model_path, tp=tp, pp=pp, dp=dp, micro_batch_size=MICRO_BATCH,
-                                  profile="cpu", dtype="float32", seed=0, vpp=vpp,
+                                  profile="cpu", dtype="float32", seed=0, vpp=vpp, pp_layers=pp_layers,
                                   optim=OptimConfig(**{**OPTIM.__dict__, "use_distributed_optimizer": dp > 1})),
                          placement)
 
@@ -145,12 +147,15 @@ def test_one_process_matches_transformers_and_first_step_is_on_policy(model_path
     assert not torch.allclose(after, before)
 
 
-@pytest.mark.parametrize("tp,pp,dp,vpp", [(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 2, 1, 2)],
-                         ids=["TP2", "PP2", "DP2", "PP2VPP2"])
-def test_layout_matches_one_process(request, model_path, placement, one_process, tp, pp, dp, vpp):
+@pytest.mark.parametrize("tp,pp,dp,vpp,pp_layers", [(2, 1, 1, 1, None), (1, 2, 1, 1, None), (1, 1, 2, 1, None),
+                                                    (1, 2, 1, 1, (1, 3)), (1, 2, 1, 2, None)],
+                         ids=["TP2", "PP2", "DP2", "PP2-1|3", "PP2VPP2"])
+def test_layout_matches_one_process(request, model_path, placement, one_process, tp, pp, dp, vpp, pp_layers):
     batch, (ref_before, ref_metrics, ref_weights, ref_after) = one_process
     if vpp > 1:  # the run that also exchanges checkpoints with TP1PP1 (test_checkpoints_cross_vpp_layouts)
         before, metrics, weights, after = request.getfixturevalue("pp2vpp2_run")["update"]
+    elif pp_layers is not None:  # the run that also loads TP1PP1's checkpoint (test_checkpoint_loads_into_...)
+        before, metrics, weights, after = request.getfixturevalue("uneven_run")["update"]
     else:
         before, metrics, weights, after = run_layout(model_path, placement, tp, pp, dp, Batch(batch))
 
@@ -164,6 +169,42 @@ def test_layout_matches_one_process(request, model_path, placement, one_process,
         torch.testing.assert_close(weights[name], ref, atol=TOL, rtol=0, msg=name)
     # Under PP the last stage's copy of the tied embedding must have received the same update.
     torch.testing.assert_close(after, ref_after, atol=TOL, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def uneven_run(model_path, placement, one_process, checkpoints):
+    """TP1PP2 with 1 layer on the first stage (and the embedding) and 3 on the last (and the tied
+    head): ``update`` as ``update_and_measure``; it then loads TP1PP1's checkpoint (model and
+    optimizer, saved under the even one-stage layout) and gives the ``loaded`` log-probs and weights
+    and the log-probs after a ``second_update`` from there."""
+    batch, _ = one_process
+    group = make_group(model_path, placement, 1, 2, 1, pp_layers=(1, 3))
+    out = {}
+    try:
+        # Each stage's weight-sync plan lists the HF tensors it holds: the layers megatron built there.
+        out["stage_layers"] = [sorted({int(t.name.split(".")[2]) for b in stage_plan for t in b.tensors
+                                       if t.name.startswith("model.layers.")})
+                               for stage_plan in group.weight_sync_plans(1 << 20, "float32")]
+        out["update"] = update_and_measure(group, Batch(batch))
+        group.load_checkpoint(str(checkpoints / "tp1pp1"), with_optimizer=True)
+        out["loaded"] = group.forward(batch)["logprobs"], group.hf_state_dict()
+        out["second_update"] = update_then_logprobs(group, batch)
+    finally:
+        group.shutdown()
+    return out
+
+
+def test_checkpoint_loads_into_an_uneven_pipeline_split(one_process, uneven_run, second_update):
+    """megatron's distributed checkpoints name every layer by its global index: TP1PP1's loads into
+    stages of 1 and 3 layers exactly, and the Adam state comes along (the next update is TP1PP1's)."""
+    _, (_, _, ref_weights, ref_after) = one_process
+    assert uneven_run["stage_layers"] == [[0], [1, 2, 3]]  # the split is megatron's, not the even one
+    loaded, weights = uneven_run["loaded"]
+    torch.testing.assert_close(loaded, ref_after, atol=TOL, rtol=0)
+    assert sorted(weights) == sorted(ref_weights)
+    for name, ref in ref_weights.items():
+        torch.testing.assert_close(weights[name], ref, atol=0, rtol=0, msg=name)
+    torch.testing.assert_close(uneven_run["second_update"], second_update["logprobs"], atol=TOL, rtol=0)
 
 
 @pytest.fixture(scope="module")

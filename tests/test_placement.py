@@ -7,3 +7,39 @@ def test_resource_pools_refuse_more_gpus_than_the_cluster_has(ray_pools):
     ray_pools({"actor": 1}, {"actor": "actor"})  # starts Ray with 1 logical GPU
     with pytest.raises(RuntimeError, match=r"need 3 GPUs, but the Ray cluster has 1"):
         ResourcePools({"actor": 2, "rollout": 1}, {"actor": "actor", "rollout": "rollout"})
+
+
+def test_math_threads_are_a_processes_share_of_the_cores():
+    from rlcore.placement import math_threads
+
+    assert math_threads(2, 3) == 1  # the SmolLM2 job on 2 cores: actor PP2 + one engine
+    assert math_threads(16, 5) == 3  # never more threads than cores in all
+    assert math_threads(16, 1) == 16
+    with pytest.raises(ValueError, match="cores=0"):
+        math_threads(0, 3)
+
+
+def test_job_threads_count_every_pool_and_node(tmp_path):
+    from launch.compose import job_threads
+    from rlcore.layout import RoleLayout, RolloutLayout
+    from rlcore.config import JobConfig
+    from rlcore.validate import JobLayout
+
+    actor = RoleLayout(pool="actor", gpus=2, tp=1, pp=2, dp=1)
+    layout = JobLayout(actor=actor, reference=actor, rollout=RolloutLayout("rollout", 2, engines=1, tp=2),
+                       device="cpu", total_gpus=4, dtype="float32")
+    cfg = JobConfig()
+    cfg.resources.num_cpus = 12
+    assert job_threads(cfg, layout) == 2  # 2 actor + 2 reference ranks + 2 vLLM workers on 12 cores
+    cfg.resources.nodes = 2
+    assert job_threads(cfg, layout) == 4  # 3 processes per node
+
+
+def test_vllm_cpu_threads_bind_gives_each_worker_its_own_cores():
+    from rollout.engine import cpu_threads_bind
+
+    cpus = list(range(8))
+    assert cpu_threads_bind(0, 2, 2, cpus) == "0,1|2,3"
+    assert cpu_threads_bind(1, 2, 2, cpus) == "4,5|6,7"  # the next engine's block
+    assert cpu_threads_bind(2, 2, 2, cpus) == "nobind"  # past the cores: the OS places them
+    assert cpu_threads_bind(0, 2, 1, [0]) == "nobind"  # 2 workers, 1 core: pinning would serialise them

@@ -20,9 +20,11 @@ SPECS = {
     "ppo_llama3.1_8b_4x8": "yaml_configs/ppo_llama3.1_8b_4x8.yaml",
     "grpo_qwen2.5_32b_8x8": "yaml_configs/grpo_qwen2.5_32b_8x8.yaml",
 }
-# (tp, pp, critic) layouts built in one world of 2 CPU processes: the TP split and the PP split (where
-# tied embeddings get a second copy on the last stage), for the actor's model and the critic's.
-LAYOUTS = [(1, 1, False), (2, 1, False), (1, 2, False), (2, 1, True), (1, 2, True)]
+# (tp, pp, critic, pp_layers) layouts built in one world of 2 CPU processes: the TP split and the PP
+# split (where tied embeddings get a second copy on the last stage), even and uneven (megatron's
+# first/last-stage counts), for the actor's model and the critic's.
+LAYOUTS = [(1, 1, False, None), (2, 1, False, None), (1, 2, False, None), (1, 2, False, (1, 3)),
+           (2, 1, True, None), (1, 2, True, None), (1, 2, True, (3, 1))]
 WORLD = 2
 
 
@@ -50,11 +52,11 @@ def _megatron_param_counts(rank: int, port: int, models: dict, queue) -> None:
     counts = []
     for name, path in models.items():
         hf = read_hf_config(path)
-        for tp, pp, critic in LAYOUTS:
+        for tp, pp, critic, pp_layers in LAYOUTS:
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-            model = build_gpt_model(hf, transformer_config(hf, "cpu", "float32", tp, pp), "cpu",
+            model = build_gpt_model(hf, transformer_config(hf, "cpu", "float32", tp, pp, pp_layers=pp_layers), "cpu",
                                     value_head_seed=1 if critic else None)
-            counts.append((name, tp, pp, critic, parallel_state.get_pipeline_model_parallel_rank(),
+            counts.append((name, tp, pp, critic, pp_layers, parallel_state.get_pipeline_model_parallel_rank(),
                            sum(p.numel() for p in model.parameters())))
             parallel_state.destroy_model_parallel()
     dist.barrier()
@@ -86,10 +88,11 @@ def test_parameter_counts_per_rank_equal_megatron_core(qwen2_untied, llama_tied)
         p.join(timeout=60)
         assert p.exitcode == 0
     assert len(results) == WORLD * len(models) * len(LAYOUTS)
-    for name, tp, pp, critic, stage, numel in results:
+    for name, tp, pp, critic, pp_layers, stage, numel in results:
         with open(os.path.join(models[name], "config.json")) as f:
             dims = plan.ModelDims.from_hf(json.load(f), name)
-        assert dims.stage_params(tp, pp, stage, value_head=critic) == numel, (name, tp, pp, critic, stage)
+        assert dims.stage_params(tp, pp, stage, value_head=critic, pp_layers=pp_layers) == numel, \
+            (name, tp, pp, critic, pp_layers, stage)
 
 
 @pytest.mark.parametrize("config,params", [
@@ -155,7 +158,7 @@ def test_real_specs_validate_and_plan_here(name, capsys):
     ("grpo_qwen2.5_7b_2x8", ["actor.tp=4", "actor.pp=4"],
      "actor.tp*actor.pp=4*4=16 does not divide the 8 GPUs of pool 'actor' (resources.pools.actor=8)"),
     ("grpo_qwen2.5_7b_2x8", ["actor.optim.use_distributed_optimizer=false"],
-     "pool 'actor' needs 97.8 GB per GPU (actor 85.9 + reference 11.8), more than 90% of "
+     "pool 'actor' needs 95.3 GB per GPU (actor 84.7 + reference 10.6), more than 90% of "
      "resources.gpu_memory_gb=80"),
     ("grpo_qwen2.5_32b_8x8", ["rollout.tp=1", "rollout.engines=32"],
      "rollout.tp=1: the model's weights (65.5 GB per GPU) and vLLM's reserve"),
@@ -217,10 +220,11 @@ def test_suggest_ranks_valid_layouts_and_explains_its_cost_model(capsys):
 
 
 def test_suggest_for_the_critic_and_the_32b_specs():
-    for name in ("ppo_llama3.1_8b_4x8", "grpo_qwen2.5_32b_8x8"):
+    # The 32B spec keeps memory headroom over the 3 s per step faster TP2 x PP4 (its comment says so).
+    for name, rank in (("ppo_llama3.1_8b_4x8", 1), ("grpo_qwen2.5_32b_8x8", 2)):
         cfg = load_job(SPECS[name], [])
         found = plan.suggest(cfg, validate(cfg), cfg.resources.gpus_per_node, cfg.resources.nodes, top=5)
-        assert found.spec_rank == 1, name
+        assert found.spec_rank == rank, name
         if name.startswith("ppo"):
             assert all(c.critic is not None for c in found.best)
 
@@ -235,3 +239,73 @@ def test_virtual_pipeline_stages_hold_more_activations_in_flight():
     assert acts[4] == pytest.approx(acts[1] * 72 / 64)
     _, p = _plan_of(spec, "actor.vpp=2")
     assert "worst pipeline stage of 2, 2 virtual stages each" in next(r for r in p.roles if r.role == "actor").notes
+
+
+# ------------------------------------------------------------------------ --suggest on the cpu profile
+# SmolLM2-135M's shape (yaml_configs/smollm2_math_cpu.yaml's model), inline: the CPU job spec is planned
+# without its files.
+SMOLLM2 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+           "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+           "vocab_size": 49152, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+           "tie_word_embeddings": True, "hidden_act": "silu"}
+CPU_SPEC = "yaml_configs/smollm2_math_cpu.yaml"
+
+
+def _cpu_spec(tmp_path, *overrides):
+    config = tmp_path / "smollm2.json"
+    config.write_text(json.dumps(SMOLLM2))
+    return [f"model.hf_config={config}", "model.path=/not/here/smollm2", *overrides]
+
+
+def test_cpu_suggest_ranks_every_valid_actor_layout_and_balances_the_head(tmp_path, capsys):
+    cfg = load_job(CPU_SPEC, _cpu_spec(tmp_path))
+    found = plan.suggest_cpu(cfg, validate(cfg), top=1000, cores=2)
+    assert found.valid == len(found.best) > 10 and found.threads == 1  # 3 processes on 2 cores
+    costs = [c.train_s for c in found.best]
+    assert costs == sorted(costs)
+    # Every candidate is a layout `rlx validate` accepts, as the overrides that select it.
+    for c in found.best[:5] + found.best[-3:]:
+        split = ["actor.pp_layers=null" if c.actor.pp_layers is None else
+                 f"actor.pp_layers=[{','.join(map(str, c.actor.pp_layers))}]"]
+        validate(load_job(CPU_SPEC, _cpu_spec(tmp_path, f"actor.tp={c.actor.tp}", f"actor.pp={c.actor.pp}",
+                                              f"actor.micro_batch_size={c.micro_batch_size}", *split)))
+    # The last stage also runs the 49152-wide tied head (on the scored positions): the best PP2
+    # split puts more layers on the first stage, and it beats the even split at the same micro-batch.
+    pp2 = [c for c in found.best if c.actor.pp == 2]
+    best = pp2[0]
+    assert best.actor.pp_layers[0] > best.actor.pp_layers[1]
+    even = next(c for c in pp2 if c.actor.pp_layers is None and c.micro_batch_size == best.micro_batch_size)
+    assert best.train_s < even.train_s
+    # Unbounded, two whole replicas (DP2) come first; within the 4 GB the spec's comment names, the
+    # spec's own layout does.
+    assert found.best[0].actor.dp == 2 and found.best[0].memory > 4e9
+    bounded = plan.suggest_cpu(cfg, validate(cfg), top=1000, cores=2, memory_gb=4)
+    assert bounded.valid < found.valid and all(c.memory <= 4e9 for c in bounded.best)
+    assert bounded.spec_rank == 1
+    assert rlx(["plan", CPU_SPEC, *_cpu_spec(tmp_path), "--suggest", "--memory-gb", "4", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "the 3 best of" in out and "cpu cost model" in out and "the spec's own layout ranks #1" in out
+    assert "within 4 GB of host memory" in out
+    # --calibrate belongs to --suggest on the cpu profile.
+    assert rlx(["plan", CPU_SPEC, *_cpu_spec(tmp_path), "--calibrate"]) == 2
+    assert "--calibrate belongs to the cpu profile's cost model" in capsys.readouterr().err
+
+
+def test_stage_splits_are_the_ones_megatron_takes():
+    assert plan._stage_splits(4, 1) == [None]
+    assert plan._stage_splits(4, 2) == [None, (1, 3), (3, 1)]  # (2, 2) is the even split, None
+    splits = plan._stage_splits(8, 3)  # 8 layers do not split evenly over 3 stages
+    assert None not in splits and (1, 3, 4) in splits and (2, 2, 4) in splits and (3, 2, 3) in splits
+    for split in splits:
+        assert sum(split) == 8 and min(split) >= 1 and len(split) == 3
+
+
+@pytest.mark.slow
+def test_calibration_measures_every_constant():
+    from launch.calibrate import calibrate
+
+    constants = calibrate(tokens=64, hidden=64, ffn=128)
+    assert sorted(constants) == sorted(plan.CPU_CALIBRATION)
+    assert constants["matmul_flops"] > 0 and constants["allreduce_bytes_s"] > 0
+    # Costs are differences of timings, clipped at 0 where the machine's noise exceeds them.
+    assert all(0 <= v < float("inf") for v in constants.values())
