@@ -8,7 +8,9 @@ import time
 
 import pytest
 
+from rlcore.job import ConfigError, load_job
 from rlcore.rollout_queue import RolloutQueue, staleness
+from rlcore.validate import validate
 
 
 class FakeEngine:
@@ -104,5 +106,7 @@ def test_staleness_outside_the_bound_is_an_error():
 
 
 def test_negative_off_policy_steps_is_refused():
+    with pytest.raises(ConfigError, match="trainer.off_policy_steps=-1 must not be negative"):
+        validate(load_job("yaml_configs/quickstart_cpu.yaml", ["trainer.off_policy_steps=-1"]))
     with pytest.raises(ValueError, match="trainer.off_policy_steps=-1 must not be negative"):
         RolloutQueue(lambda b: b, -1, lambda: {})
