@@ -21,9 +21,19 @@ from rlcore.weight_sync import connect_weight_sync
 
 
 def role_spec(name: str, lay: RoleLayout, layout: JobLayout, model_path: str, micro_batch_size: int, seed: int,
-              head: str = "lm", optim=None) -> RoleSpec:
+              head: str = "lm", optim=None, shared_prompt: bool = False,
+              max_tokens_per_micro_batch: int | None = None) -> RoleSpec:
     return RoleSpec(name, model_path, tp=lay.tp, pp=lay.pp, dp=lay.dp, vpp=lay.vpp, micro_batch_size=micro_batch_size,
-                    profile=layout.device, dtype=layout.dtype, seed=seed, head=head, optim=optim)
+                    profile=layout.device, dtype=layout.dtype, seed=seed, head=head, optim=optim,
+                    shared_prompt=shared_prompt, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+
+
+def reference_shape(cfg: JobConfig) -> dict:
+    """The reference's micro-batch shape: the actor's unless set."""
+    r, a = cfg.reference, cfg.actor
+    return dict(shared_prompt=a.shared_prompt if r.shared_prompt is None else r.shared_prompt,
+                max_tokens_per_micro_batch=(a.max_tokens_per_micro_batch if r.max_tokens_per_micro_batch is None
+                                            else r.max_tokens_per_micro_batch))
 
 
 def build_roles(cfg: JobConfig, layout: JobLayout) -> Roles:
@@ -42,14 +52,19 @@ def build_roles(cfg: JobConfig, layout: JobLayout) -> Roles:
     seed, a, c = cfg.trainer.seed, cfg.actor, cfg.critic
     try:
         roles.actor = MegatronGroup(role_spec("actor", layout.actor, layout, cfg.model.path, a.micro_batch_size,
-                                              seed, optim=a.optim), pools.placement("actor"))
+                                              seed, optim=a.optim, shared_prompt=a.shared_prompt,
+                                              max_tokens_per_micro_batch=a.max_tokens_per_micro_batch),
+                                    pools.placement("actor"))
         if layout.reference:  # only when a KL term needs it
             roles.reference = MegatronGroup(role_spec("reference", layout.reference, layout, cfg.model.path,
-                                                      cfg.reference.micro_batch_size or a.micro_batch_size, seed),
+                                                      cfg.reference.micro_batch_size or a.micro_batch_size, seed,
+                                                      **reference_shape(cfg)),
                                             pools.placement("reference"))
         if layout.critic:  # PPO's value model: only when the advantage estimator needs values
             roles.critic = MegatronGroup(role_spec("critic", layout.critic, layout, c.model_path or cfg.model.path,
-                                                   c.micro_batch_size, seed, head="value", optim=c.optim),
+                                                   c.micro_batch_size, seed, head="value", optim=c.optim,
+                                                   shared_prompt=c.shared_prompt,
+                                                   max_tokens_per_micro_batch=c.max_tokens_per_micro_batch),
                                          pools.placement("critic"))
         roles.rollout = RolloutPool(cfg.model.path, cfg.rollout, pools.placement("rollout"), layout.device,
                                     layout.dtype, seed)

@@ -29,6 +29,7 @@ from rlcore.batch import Batch
 from rlcore.roles import RoleSpec
 
 from .heads import HEADS
+from .packing import ActiveInputs, ModelInputs, attach_input_hooks, model_inputs, token_budget_micro_batches, trimmed
 
 
 def free_port() -> int:
@@ -123,6 +124,17 @@ class MegatronEngine:
         self.model_chunks = [self.head.build(self.hf, self.config, self.profile, v, self.seed) for v in vp_stages]
         for chunk in self.model_chunks:
             load_hf_weights(chunk, self.hf, self.model_path)
+        # Each micro-batch's rows, positions and scored outputs (packing.py) reach the model chunks
+        # through these hooks.
+        self.active_inputs = ActiveInputs()
+        for chunk in self.model_chunks:
+            attach_input_hooks(chunk, self.active_inputs)
+        # Micro-batches are cut to their own longest row (and packed rows differ in length), so
+        # pipeline stages exchange each activation's shape before it (megatron's variable-length
+        # p2p). The interleaved schedule keeps the batch's one shape.
+        self.variable_shapes = self.vpp == 1
+        if self.pp > 1 and self.variable_shapes:
+            self.config.variable_seq_lengths = True
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -189,42 +201,74 @@ class MegatronEngine:
         """The rank whose results the group collects: the last PP stage's TP rank 0."""
         return self.is_last_stage and self.tp_rank == 0
 
-    def _micro_batches(self, batch: Batch) -> list[Batch]:
-        """This DP shard's micro-batches, on the device (the group has checked that they split evenly)."""
-        seq_len = batch["input_ids"].shape[1]
-        if self.config.sequence_parallel and seq_len % self.tp:
-            raise ValueError(f"{self.role}: sequence length {seq_len} is not divisible by TP={self.tp} "
-                             f"(sequence parallel)")
+    def _micro_batch_rows(self, batch: Batch) -> list[list[int]]:
+        """Which rows of this DP shard each micro-batch holds: ``micro_batch_size`` consecutive rows
+        (the group has checked that they split evenly), or under ``max_tokens_per_micro_batch`` the
+        token-budget plan (packing.py)."""
+        if self.spec.max_tokens_per_micro_batch:
+            return token_budget_micro_batches(batch, self.spec.max_tokens_per_micro_batch, self.spec.shared_prompt)
+        size = self.micro_batch_size
+        return [list(range(i, min(i + size, batch.size))) for i in range(0, batch.size, size)]
+
+    def _micro_batches(self, batch: Batch) -> list[tuple[Batch, ModelInputs, list[int]]]:
+        """This DP shard's micro-batches on the device, each with the rows the model runs for it
+        (packing.py) and the shard rows it holds."""
         on_device = Batch({k: v.to(self.device) for k, v in batch.items()})
-        return on_device.split(self.micro_batch_size)
+        out = []
+        for rows in self._micro_batch_rows(on_device):
+            index = torch.tensor(rows, device=self.device)
+            micro_batch = Batch({k: v.index_select(0, index) for k, v in on_device.items()})
+            if self.variable_shapes:
+                micro_batch = trimmed(micro_batch)
+            inputs = model_inputs(micro_batch, self.spec.shared_prompt)
+            seq_len = inputs.tokens.shape[1]
+            if self.config.sequence_parallel and seq_len % self.tp:
+                raise ValueError(f"{self.role}: sequence length {seq_len} is not divisible by TP={self.tp} "
+                                 f"(sequence parallel)")
+            out.append((micro_batch, inputs, rows))
+        return out
 
-    def _forward_step(self, model, micro_batch: Batch) -> torch.Tensor:
-        """This stage's output: the head's output on the last stage (vocab-parallel logits [b, s,
-        V/TP], or values [b, s, 1]), activations elsewhere (the input of a later stage arrives
+    @staticmethod
+    def _reassemble(parts: list[torch.Tensor], micro_batches: list, rows: int, seq_len: int) -> torch.Tensor:
+        """The micro-batches' token-aligned [b_i, s_i] outputs back into the shard's [rows, seq_len]."""
+        out = parts[0].new_zeros((rows, seq_len))
+        for part, (_, _, index) in zip(parts, micro_batches):
+            out[torch.tensor(index), :part.shape[1]] = part
+        return out
+
+    def _forward_step(self, model, inputs: ModelInputs) -> torch.Tensor:
+        """This stage's output: on the last stage the head's output at the scored positions
+        (vocab-parallel logits [1, N, V/TP] or values [1, N, 1]; every position [b, s, .] when the
+        micro-batch has no response mask), activations elsewhere (the input of a later stage arrives
         through megatron's set_input_tensor)."""
-        input_ids = micro_batch["input_ids"]
-        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        # No attention mask: right padding under the causal mask never changes real positions.
-        return model(input_ids, position_ids, None)
+        self.active_inputs.current = inputs
+        # Unpacked rows need no attention mask: right padding under the causal mask never changes
+        # real positions. Packed rows bring theirs.
+        return model(inputs.tokens, inputs.position_ids, inputs.attention_mask)
 
-    def _run_schedule(self, micro_batches: list[Batch], loss_func, forward_only: bool) -> list:
+    def _run_schedule(self, micro_batches: list[tuple[Batch, ModelInputs, list[int]]], loss_func,
+                      forward_only: bool) -> list:
         """Megatron's forward(-backward) schedule over ``micro_batches``; ``loss_func(micro_batch,
-        output)`` is the hook megatron applies to the last stage's output of each micro-batch.
-        Returns what the hooks returned (their second element when training), on the last stage."""
+        inputs, output)`` is the hook megatron applies to the last stage's output of each
+        micro-batch. Returns what the hooks returned (their second element when training), on the
+        last stage."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, model):
-            micro_batch = next(data_iterator)
-            return self._forward_step(model, micro_batch), partial(loss_func, micro_batch)
+            micro_batch, inputs, _ = next(data_iterator)
+            return self._forward_step(model, inputs), partial(loss_func, micro_batch, inputs)
 
         # Interleaved: every chunk runs every micro-batch in order, each reading its own iterator.
         data_iterator = ([iter(micro_batches) for _ in self.forward_chunks] if self.vpp > 1
                          else iter(micro_batches))
-        return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=data_iterator, model=self.forward_chunks,
-            num_microbatches=len(micro_batches), seq_length=micro_batches[0]["input_ids"].shape[1],
-            micro_batch_size=self.micro_batch_size, forward_only=forward_only,
-            collect_non_loss_data=forward_only)
+        rows, seq_len = micro_batches[0][1].tokens.shape  # the p2p shape (variable_seq_lengths: sent along)
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=data_iterator, model=self.forward_chunks,
+                num_microbatches=len(micro_batches), seq_length=seq_len, micro_batch_size=rows,
+                forward_only=forward_only, collect_non_loss_data=forward_only)
+        finally:
+            self.active_inputs.current = None
 
     def forward(self, batch: Batch, head_args: dict | None = None) -> dict[str, torch.Tensor] | None:
         """The head's token-aligned [b, S] outputs for this rank's DP shard (forward only): the LM
@@ -232,27 +276,30 @@ class MegatronEngine:
         ``values``. Returned by the last PP stage's TP rank 0 (on the CPU); None elsewhere."""
         head_args = head_args or {}
 
-        def collect(micro_batch, output, non_loss_data=True):
-            return self.head.outputs(output, micro_batch, self.tp_group, **head_args)
+        def collect(micro_batch, inputs, output, non_loss_data=True):
+            return self.head.outputs(output, micro_batch, inputs, self.tp_group, **head_args)
 
         for chunk in self.forward_chunks:
             chunk.train(False)
+        micro_batches = self._micro_batches(batch)
         with torch.no_grad():
-            outputs = self._run_schedule(self._micro_batches(batch), collect, forward_only=True)
+            outputs = self._run_schedule(micro_batches, collect, forward_only=True)
         if self.trainable:
             for chunk in self.forward_chunks:
                 chunk.train(True)
         if not self._reports:
             return None
-        return {k: torch.cat([o[k] for o in outputs]).cpu() for k in outputs[0]}
+        b, s = batch["input_ids"].shape
+        return {k: self._reassemble([o[k] for o in outputs], micro_batches, b, s).cpu() for k in outputs[0]}
 
     def update(self, batch: Batch, loss_cfg, head_args: dict | None = None) -> dict | None:
         """One optimizer step on this rank's DP shard with the head's loss (``rlcore.algos``'s
         ``actor_loss`` for the LM head, ``critic_loss`` for the value head).
 
         Returns, on the last PP stage's TP rank 0, ``{"sums": metrics summed over this shard's
-        micro-batches (additive over DP by the rlcore.algos contract), "grad_norm": float}``; None on
-        the other ranks."""
+        micro-batches (additive over DP by the rlcore.algos contract), "grad_norm": float,
+        "outputs": the token-aligned [b, S] outputs the head kept from the update's own forward
+        (the LM head's ``logprobs`` under ``on_policy=True``; else empty)}``; None on the other ranks."""
         if not self.trainable:
             raise RuntimeError(f"role {self.role!r} is forward-only: it has no optimizer")
         head_args = head_args or {}
@@ -268,9 +315,9 @@ class MegatronEngine:
         # num_microbatches * DP cancels both.
         grad_scale = len(micro_batches) * self.dp
 
-        def loss_func(micro_batch, output):
-            loss, metrics = self.head.loss(output, micro_batch, loss_cfg, self.tp_group, **head_args)
-            return loss * grad_scale, {f"{self.role}/loss": loss.detach(), **metrics}
+        def loss_func(micro_batch, inputs, output):
+            loss, metrics, kept = self.head.loss(output, micro_batch, inputs, loss_cfg, self.tp_group, **head_args)
+            return loss * grad_scale, {"metrics": {f"{self.role}/loss": loss.detach(), **metrics}, "kept": kept}
 
         for ddp in self.ddp_chunks:
             ddp.zero_grad_buffer()
@@ -285,8 +332,11 @@ class MegatronEngine:
         self.lr_scheduler.step(increment=1)
         if not self._reports:
             return None
-        sums = {k: float(sum(o[k] for o in outputs)) for k in outputs[0]}
-        return {"sums": sums, "grad_norm": grad_norm}
+        sums = {k: float(sum(o["metrics"][k] for o in outputs)) for k in outputs[0]["metrics"]}
+        b, s = batch["input_ids"].shape
+        kept = {k: self._reassemble([o["kept"][k] for o in outputs], micro_batches, b, s).cpu()
+                for k in outputs[0]["kept"]}
+        return {"sums": sums, "grad_norm": grad_norm, "outputs": kept}
 
     # ------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str) -> None:

@@ -14,7 +14,7 @@ import torch
 from rlcore.batch import Batch
 from rlcore.layout import check_micro_batches, check_model_split
 from rlcore.placement import RolePlacement
-from rlcore.roles import RoleSpec
+from rlcore.roles import RoleSpec, UpdateResult
 
 from .engine import MegatronEngine
 from .heads import HEADS
@@ -63,8 +63,9 @@ class MegatronGroup:
         import ray
 
         s = self.spec  # the check `rlx validate` ran on the configured batch sizes, on this batch
-        check_micro_batches(s.name, s, "the batch", batch.size, f"{s.name}.micro_batch_size", s.micro_batch_size,
-                            f"{s.name}.vpp")
+        if not s.max_tokens_per_micro_batch:  # by tokens: each rank plans its own micro-batches
+            check_micro_batches(s.name, s, "the batch", batch.size, f"{s.name}.micro_batch_size",
+                                s.micro_batch_size, f"{s.name}.vpp")
         shards = [ray.put(batch.shard(d, self.dp)) for d in range(self.dp)]
         results = ray.get([getattr(w, method).remote(shards[d], *args)
                            for w, d in zip(self.workers, self._dp_rank)])
@@ -74,20 +75,29 @@ class MegatronGroup:
         """The head's token-aligned [B, S] outputs for ``batch`` (forward only; position 0 holds 0):
         ``logprobs`` and ``entropy`` of ``input_ids`` for the LM head (``temperature=``), ``values``
         for the value head (``values[:, t]``: the value of the state before token t)."""
-        parts = self._run_sharded("forward", batch.select(*self.head.forward_keys), head_args)
+        parts = self._run_sharded("forward", self._head_keys(batch, self.head.forward_keys), head_args)
         return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
-    def update(self, batch: Batch, loss_cfg, **head_args) -> dict[str, float]:
+    def update(self, batch: Batch, loss_cfg, **head_args) -> UpdateResult:
         """One optimizer step on ``batch`` (all of it: the group shards it over DP) with the head's
         loss. Returns the metrics summed over micro-batches and DP ranks (the global aggregates),
-        ``<role>/loss`` and ``<role>/grad_norm``."""
-        self.head.check_update(batch, self.role)
+        ``<role>/loss`` and ``<role>/grad_norm``; in ``.outputs`` the [B, S] tensors the head kept
+        (the LM head's ``logprobs`` with ``on_policy=True``)."""
+        self.head.check_update(batch, self.role, **head_args)
         if self.head.train_keys is not None:  # only what the loss reads travels to the workers
-            batch = batch.select(*self.head.train_keys)
+            batch = self._head_keys(batch, self.head.train_keys)
         parts = self._run_sharded("update", batch, loss_cfg, head_args)
         metrics = {k: sum(p["sums"][k] for p in parts) for k in parts[0]["sums"]}
         metrics[f"{self.role}/grad_norm"] = parts[0]["grad_norm"]  # the global norm: the same on every rank
-        return metrics
+        outputs = {k: torch.cat([p["outputs"][k] for p in parts]) for k in parts[0]["outputs"]}
+        return UpdateResult(metrics, outputs)
+
+    @staticmethod
+    def _head_keys(batch: Batch, keys: tuple[str, ...]) -> Batch:
+        """What travels to the workers: ``keys`` of ``batch``; the masks only where the batch has
+        them (without a response mask every position's output is computed)."""
+        optional = ("attention_mask", "response_mask")
+        return batch.select(*[k for k in keys if k in batch or k not in optional])
 
     # ------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, path: str) -> None:

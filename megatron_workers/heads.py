@@ -9,7 +9,11 @@ A new scoring model (e.g. a reward model's last-token score) is one new head cla
 
 Every head's loss returns this micro-batch's share of the global aggregate (rlcore.algos: the
 controller's ``loss_weights`` are normalised over the whole mini-batch), so the engine can sum the
-shares over micro-batches and DP ranks.
+shares over micro-batches and DP ranks, plus the token-aligned outputs it keeps for the caller.
+
+The model's output reaches a head for the scored positions only (``packing.ModelInputs``: ``src``
+set, output [1, N, .]), or for every position (``src`` None, output [b, s, .]); either way the head
+hands rlcore token-aligned [b, S] tensors.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ class LMHead:
     """The causal LM's vocabulary logits: per-token log-probs and entropy; trained with the policy
     loss (``rlcore.algos.actor_loss``)."""
 
-    forward_keys = ("input_ids",)
+    forward_keys = ("input_ids", "attention_mask", "response_mask")  # the masks: which outputs are read, packing
     train_keys: Optional[tuple[str, ...]] = None  # the policy loss may read any key: send the whole batch
 
     @staticmethod
@@ -35,29 +39,42 @@ class LMHead:
         return build_gpt_model(hf, config, profile, vp_stage=vp_stage)
 
     @staticmethod
-    def outputs(output: torch.Tensor, micro_batch: Batch, tp_group, temperature: float = 1.0) -> dict:
-        from .logprobs import token_logprobs_and_entropy
+    def outputs(output: torch.Tensor, micro_batch: Batch, inputs, tp_group, temperature: float = 1.0) -> dict:
+        from .logprobs import scored_logprobs_and_entropy
 
-        lp, ent = token_logprobs_and_entropy(output, micro_batch["input_ids"], temperature, tp_group)
+        lp, ent = scored_logprobs_and_entropy(output, micro_batch["input_ids"], inputs, temperature, tp_group)
         return {"logprobs": lp, "entropy": ent}
 
     @staticmethod
-    def check_update(batch: Batch, role: str) -> None:
+    def check_update(batch: Batch, role: str, temperature: float = 1.0, on_policy: bool = False) -> None:
         if float(batch["response_mask"].sum()) <= 0:
             raise ValueError(f"{role} update: the batch has no response tokens (response_mask is all 0)")
         if "loss_weights" not in batch:
             raise ValueError(f"{role} update: the batch has no 'loss_weights' (set batch['loss_weights'] = "
                              "rlcore.algos.loss_weights(response_mask, loss_agg_mode, max_response_length) on the "
                              "whole mini-batch before the update)")
+        if not on_policy and "old_logprobs" not in batch:
+            raise ValueError(f"{role} update: the batch has no 'old_logprobs' (compute them with a forward pass, "
+                             "or pass on_policy=True when this update is the first use of the weights on it)")
 
     @staticmethod
-    def loss(output: torch.Tensor, micro_batch: Batch, loss_cfg, tp_group, temperature: float = 1.0):
+    def loss(output: torch.Tensor, micro_batch: Batch, inputs, loss_cfg, tp_group, temperature: float = 1.0,
+             on_policy: bool = False):
+        """``on_policy``: the update is the first use of these weights on this batch (one epoch, one
+        mini-batch), so the old policy IS this forward: ``old_logprobs`` are its own log-probs,
+        detached (ratio exactly 1), and they are kept for the caller instead of a separate pass."""
         from rlcore.algos import actor_loss
 
-        from .logprobs import token_logprobs_and_entropy
+        from .logprobs import scored_logprobs_and_entropy
 
-        logprobs, entropy = token_logprobs_and_entropy(output, micro_batch["input_ids"], temperature, tp_group)
-        return actor_loss(logprobs, entropy, micro_batch, loss_cfg)
+        logprobs, entropy = scored_logprobs_and_entropy(output, micro_batch["input_ids"], inputs, temperature,
+                                                        tp_group)
+        kept = {}
+        if on_policy:
+            kept["logprobs"] = logprobs.detach()
+            micro_batch = Batch({**micro_batch, "old_logprobs": kept["logprobs"]})
+        loss, metrics = actor_loss(logprobs, entropy, micro_batch, loss_cfg)
+        return loss, metrics, kept
 
     @staticmethod
     def hf_config(causal_lm_config: dict) -> dict:
@@ -68,8 +85,8 @@ class ValueHead:
     """A scalar per token (PPO's critic, ``value_head.py``): token-aligned values; trained with the
     clipped value loss (``rlcore.algos.critic_loss``)."""
 
-    forward_keys = ("input_ids",)
-    train_keys = ("input_ids", "response_mask", "returns", "old_values", "loss_weights")  # what critic_loss reads
+    forward_keys = ("input_ids", "attention_mask", "response_mask")
+    train_keys = ("input_ids", "attention_mask", "response_mask", "returns", "old_values", "loss_weights")  # what critic_loss reads
 
     @staticmethod
     def build(hf, config, profile: str, vp_stage, seed: int):
@@ -78,22 +95,23 @@ class ValueHead:
         return build_gpt_model(hf, config, profile, vp_stage=vp_stage, value_head_seed=seed)
 
     @staticmethod
-    def outputs(output: torch.Tensor, micro_batch: Batch, tp_group) -> dict:
-        from .value_head import token_values
+    def outputs(output: torch.Tensor, micro_batch: Batch, inputs, tp_group) -> dict:
+        from .value_head import scored_values
 
-        return {"values": token_values(output)}
+        return {"values": scored_values(output, inputs)}
 
     @staticmethod
     def check_update(batch: Batch, role: str) -> None:
-        pass
+        pass  # critic_loss names any missing key itself
 
     @staticmethod
-    def loss(output: torch.Tensor, micro_batch: Batch, loss_cfg, tp_group):
+    def loss(output: torch.Tensor, micro_batch: Batch, inputs, loss_cfg, tp_group):
         from rlcore.algos import critic_loss
 
-        from .value_head import token_values
+        from .value_head import scored_values
 
-        return critic_loss(token_values(output), micro_batch, loss_cfg)
+        loss, metrics = critic_loss(scored_values(output, inputs), micro_batch, loss_cfg)
+        return loss, metrics, {}
 
     @staticmethod
     def hf_config(causal_lm_config: dict) -> dict:

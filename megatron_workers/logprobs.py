@@ -74,3 +74,20 @@ def token_logprobs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor, te
     scaled = logits[:, :-1].float() / temperature
     logprob, entropy = vocab_parallel_logprobs(scaled, input_ids[:, 1:], tp_group)
     return F.pad(logprob, (1, 0)), F.pad(entropy, (1, 0))
+
+
+def scored_logprobs_and_entropy(output: torch.Tensor, input_ids: torch.Tensor, inputs, temperature: float = 1.0,
+                                tp_group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """As ``token_logprobs_and_entropy``, from the output at the scored positions of ``inputs``
+    (packing.ModelInputs: ``output`` [1, N, vocab / TP], the n-th scoring token ``inputs.dst[n]``);
+    positions nobody scored hold 0. ``inputs`` None or without a selection: every position."""
+    if inputs is None or inputs.src is None:
+        return token_logprobs_and_entropy(output, input_ids, temperature, tp_group)
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    from .packing import scatter_tokens
+
+    logits = output.reshape(-1, output.shape[-1]).float() / temperature
+    target = input_ids.reshape(-1).index_select(0, inputs.dst)
+    logprob, entropy = vocab_parallel_logprobs(logits, target, tp_group)
+    return scatter_tokens(logprob, inputs), scatter_tokens(entropy, inputs)

@@ -60,6 +60,16 @@ def token_values(output: torch.Tensor) -> torch.Tensor:
     return F.pad(output[..., 0][:, :-1].float(), (1, 0))
 
 
+def scored_values(output: torch.Tensor, inputs) -> torch.Tensor:
+    """Token-aligned [b, S] values from the value model's output: [1, N, 1] at the scored positions
+    of ``inputs`` (packing.ModelInputs; zeros at the other positions), or [b, s, 1] everywhere."""
+    if inputs is None or inputs.src is None:
+        return token_values(output)
+    from .packing import scatter_tokens
+
+    return scatter_tokens(output.reshape(-1).float(), inputs)
+
+
 def critic_hf_config(causal_lm_config: dict) -> dict:
     """The config.json of an exported critic, from its base model's *ForCausalLM config.json: the
     *ForTokenClassification architecture with one label, which transformers and ``read_hf_config``

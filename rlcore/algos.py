@@ -9,10 +9,14 @@ controller computes per-token ``loss_weights`` (``loss_weights()``) once over th
 before it is sharded, and every micro-batch returns ``sum(per_token_loss * loss_weights)``. The
 aggregate is a plain sum, so summing the micro-batches' contributions over micro-batches and DP ranks
 gives exactly the global aggregate of the chosen ``loss_agg_mode``, and so does its gradient. Metrics
-follow the same contract, so they are additive across micro-batches and ranks too.
+follow the same contract, so they are additive across micro-batches and ranks too. A loss that needs
+more than one row's statistics must say so: clip_cov and kl_cov pick tokens by a covariance over the
+micro-batch they are given and declare ``micro_batch_statistics`` (``PolicyLossTraits``); the weights
+are still the whole mini-batch's, but which tokens are picked depends on the split.
 """
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -350,7 +354,18 @@ def kl_controller(kind: str, coef: float, target: float, horizon: int):
 # (rlcore/config.py), and imported above: the job spec's sections are what the losses read.
 PolicyLossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LossConfig],
                         tuple[torch.Tensor, dict[str, torch.Tensor]]]
-POLICY_LOSSES: Registry[PolicyLossFn] = Registry("actor.loss.policy_loss")
+
+
+@dataclass(frozen=True)
+class PolicyLossTraits:
+    """What a policy loss declares where it is registered; ask ``POLICY_LOSSES.meta(name)``."""
+    # The loss picks tokens by statistics over the tokens it is given (one micro-batch on one DP rank),
+    # so, unlike the others, its value and gradient depend on how the mini-batch is split into
+    # micro-batches and ranks: the normalisation contract holds for the weights, not for the pick.
+    micro_batch_statistics: bool = False
+
+
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("actor.loss.policy_loss", meta=PolicyLossTraits)
 
 
 def _clip_surrogate(ratio, advantages, cfg: LossConfig):
@@ -409,6 +424,131 @@ def cispo_loss(logprobs, old_logprobs, advantages, mask, cfg):
     weight = ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
     loss = -weight * advantages * logprobs
     return loss, {"clip_frac": (weight != ratio).float()}
+
+
+@POLICY_LOSSES.register("gmpo")
+def gmpo_loss(logprobs, old_logprobs, advantages, mask, cfg):
+    """GMPO (Zhao et al. 2025, arXiv 2507.20673): a sequence's objective is A_i times the GEOMETRIC
+    mean of its token ratios, R_i = exp(mean_t c_t), instead of their arithmetic mean, so one outlier
+    token ratio moves it far less. c_t is the token log-ratio clipped pessimistically, on one side only:
+    at most clip_ratio_high when A_i > 0, at least -clip_ratio_low when A_i < 0 (the paper: 0.4, 0.4,
+    bounds on the LOG-ratio here, as verl's geo_mean). A_i is the sequence's mean advantage (one per
+    sequence with the outcome estimators).
+
+    Per token it is written -A_i sg(R_i) exp(c_t - sg(c_t)): the value is -A_i R_i on every token and,
+    aggregated with seq-mean-token-mean (the paper's mean over sequences), the gradient is exactly
+    that of mean_i(-A_i R_i); other modes weight the sequences as they weight any per-token loss. Only
+    row statistics are used, so the micro-batch contract holds."""
+    mask = mask.float()
+    lengths = mask.sum(-1, keepdim=True).clamp(min=1)
+    seq_adv = (advantages * mask).sum(-1, keepdim=True) / lengths
+    log_ratio = (logprobs - old_logprobs) * mask
+    bounded = log_ratio.clamp(-cfg.clip_ratio_low, cfg.clip_ratio_high)
+    clipped_log_ratio = torch.where(seq_adv > 0, torch.minimum(log_ratio, bounded), torch.maximum(log_ratio, bounded))
+    seq_log_ratio = (clipped_log_ratio * mask).sum(-1, keepdim=True) / lengths
+    seq_ratio = torch.exp(seq_log_ratio.clamp(max=20.0)).detach()  # the clamp only guards exp() overflow
+    loss = -seq_adv * seq_ratio * torch.exp(clipped_log_ratio - clipped_log_ratio.detach())
+    return loss, {"clip_frac": (clipped_log_ratio != log_ratio).float()}
+
+
+@POLICY_LOSSES.register("sapo")
+def sapo_loss(logprobs, old_logprobs, advantages, mask, cfg):
+    """SAPO (Qwen, Gao et al. 2025, arXiv 2511.20347): PPO's hard clip replaced by a soft gate,
+    -f(r) * A with f(r) = sigmoid(tau (r - 1)) * 4 / tau, tau = sapo_tau_pos where A > 0 else
+    sapo_tau_neg. Its gradient is -A r * 4 s (1 - s) (s the sigmoid): exactly vanilla's -A r at r = 1,
+    fading smoothly as the ratio leaves 1, faster for a larger tau (the paper takes tau_neg > tau_pos:
+    negative-advantage updates, which spread probability over the vocabulary, fade sooner). The value
+    at r = 1 is -2A / tau. Metric ``sapo_gate``: the gradient's factor 4 s (1 - s), 1 on-policy."""
+    tau = torch.where(advantages > 0, torch.full_like(advantages, cfg.sapo_tau_pos),
+                      torch.full_like(advantages, cfg.sapo_tau_neg))
+    ratio = torch.exp((logprobs - old_logprobs).clamp(-20.0, 20.0))  # the clamp only guards exp() overflow
+    gate = torch.sigmoid(tau * (ratio - 1.0))
+    loss = -(4.0 / tau) * gate * advantages
+    return loss, {"sapo_gate": (4.0 * gate * (1.0 - gate)).detach()}
+
+
+@POLICY_LOSSES.register("gpg")
+def gpg_loss(logprobs, old_logprobs, advantages, mask, cfg):
+    """GPG (Chu et al. 2025, arXiv 2504.02546): the plain policy gradient, -A * logp per token: no
+    importance ratio, no clip, no critic (old_logprobs are not used). On-policy its gradient is
+    vanilla's; it suits one epoch of one mini-batch per step. The paper's advantage is the group-mean
+    centred score (``algorithm.adv_estimator=grpo`` or ``drgrpo``); its rescaling for groups whose
+    rewards are all equal is what ``algorithm.dynamic_sampling`` achieves by dropping them."""
+    return -advantages * logprobs, {}
+
+
+def _token_covariance(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(A - mean A) * (logp - mean logp) per token, the means over the response tokens given (one
+    micro-batch on a worker); no gradient. Cui et al. show a token's share of the entropy change is
+    this covariance: confident tokens with high advantage collapse the entropy."""
+    n = mask.sum().clamp(min=1)
+    logprobs = logprobs.detach()
+    mean_adv = (advantages * mask).sum() / n
+    mean_logp = (logprobs * mask).sum() / n
+    return (advantages - mean_adv) * (logprobs - mean_logp)
+
+
+def _token_budget(ratio: float, mask: torch.Tensor) -> int:
+    """How many of the given response tokens a cov loss picks: ratio of them, at least one (as verl)."""
+    n = int(mask.sum().item())
+    return max(1, int(ratio * n)) if n > 0 else 0
+
+
+def _random_pick(eligible: torch.Tensor, count: int, key: torch.Tensor) -> torch.Tensor:
+    """bool like ``eligible``: ``count`` of its True positions, uniformly at random (all when there are
+    fewer). The generator is seeded from ``key`` (this micro-batch's old log-probs), not from the
+    global RNG: every TP rank computes the same loss on the same tensors and must pick the same
+    tokens, and a rerun picks the same."""
+    positions = eligible.flatten().nonzero().squeeze(-1)
+    if positions.numel() > count:
+        seed = zlib.crc32(key.detach().float().cpu().numpy().tobytes())
+        order = torch.randperm(positions.numel(), generator=torch.Generator().manual_seed(seed))
+        positions = positions[order[:count].to(positions.device)]
+    picked = torch.zeros(eligible.numel(), dtype=torch.bool, device=eligible.device)
+    picked[positions] = True
+    return picked.view_as(eligible)
+
+
+@POLICY_LOSSES.register("clip_cov", micro_batch_statistics=True)
+def clip_cov_loss(logprobs, old_logprobs, advantages, mask, cfg):
+    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs", arXiv 2505.22617):
+    PPO clip, plus the gradient of a few high-covariance tokens detached to slow the entropy collapse:
+    among the response tokens PPO did not clip whose covariance (``_token_covariance``) lies in
+    (clip_cov_lb, clip_cov_ub), clip_cov_ratio of the tokens (at least one) are picked at random and
+    keep their loss value with no gradient (verl zeroes the value too; the gradient is the same).
+
+    The covariance's means, the token count and the pick are this call's, i.e. one micro-batch's on
+    one rank, as in verl and the paper's code: the loss is NOT invariant to the micro-batch/DP split
+    (declared ``micro_batch_statistics``); with no token in the band it is exactly vanilla."""
+    mask = mask.float()
+    loss, ppo_clipped = ppo_clip_loss(logprobs, old_logprobs, advantages, cfg)
+    cov = _token_covariance(logprobs, advantages, mask)
+    eligible = (mask > 0) & (ppo_clipped == 0) & (cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub)
+    picked = _random_pick(eligible, _token_budget(cfg.clip_cov_ratio, mask), old_logprobs)
+    loss = torch.where(picked, loss.detach(), loss)
+    return loss, {"clip_frac": ppo_clipped, "cov_clip_frac": picked.float()}
+
+
+@POLICY_LOSSES.register("kl_cov", micro_batch_statistics=True)
+def kl_cov_loss(logprobs, old_logprobs, advantages, mask, cfg):
+    """KL-Cov (Cui et al. 2025, arXiv 2505.22617): the unclipped surrogate -A r on every token, plus
+    kl_cov_coef * |logp - old| on the kl_cov_ratio of the response tokens (at least one) with the
+    largest covariance (``_token_covariance``): those are pulled back towards the old policy instead
+    of being clipped.
+
+    As clip_cov, the covariance and the top-k are one micro-batch's on one rank (verl does the same),
+    so the loss is NOT invariant to the split (declared ``micro_batch_statistics``); on-policy (the
+    first mini-batch step, old == logp) the penalty and its gradient are 0 and any split agrees."""
+    mask = mask.float()
+    log_ratio = logprobs - old_logprobs
+    loss = -advantages * torch.exp(log_ratio)
+    count = _token_budget(cfg.kl_cov_ratio, mask)
+    cov = _token_covariance(logprobs, advantages, mask).masked_fill(mask == 0, -torch.inf)
+    picked = torch.zeros(cov.numel(), dtype=torch.bool, device=cov.device)
+    picked[cov.flatten().topk(count).indices] = True
+    picked = picked.view_as(cov)
+    loss = torch.where(picked, loss + cfg.kl_cov_coef * log_ratio.abs(), loss)
+    return loss, {"kl_cov_frac": picked.float()}
 
 
 # actor.loss.rollout_correction: (ratio, log_ratio, mask, threshold, threshold_low) -> (weight, touched).

@@ -49,10 +49,21 @@ class OptimConfig:
 class LossConfig:
     """The actor loss's knobs (``actor.loss``): what ``rlcore.algos.actor_loss`` reads on the workers.
     The job spec's section is this dataclass itself, and the workers receive it as it is."""
-    policy_loss: str = "vanilla"  # vanilla (PPO clip) | dual_clip | gspo | cispo
+    # vanilla (PPO clip) | dual_clip | gspo (sequence ratio) | cispo (clipped IS weight) | gmpo (geometric-mean
+    # ratio) | sapo (soft gate) | gpg (plain policy gradient) | clip_cov | kl_cov (covariance-picked tokens;
+    # these two pick per micro-batch: not invariant to the micro-batch split, see rlcore/algos.py)
+    policy_loss: str = "vanilla"
+    # gmpo reads the two clip ratios as bounds of the LOG-ratio: [-clip_ratio_low, clip_ratio_high] (paper: 0.4)
     clip_ratio_low: float = 0.2  # the ratio is clipped below at 1 - clip_ratio_low
     clip_ratio_high: float = 0.2  # ... and above at 1 + clip_ratio_high (DAPO's clip-higher: 0.28)
     clip_ratio_c: float = 3.0  # dual_clip: a negative-advantage token's loss is at most -A * clip_ratio_c
+    sapo_tau_pos: float = 1.0  # sapo: the soft gate's temperature where A > 0 (larger: fades sooner off-policy)
+    sapo_tau_neg: float = 1.05  # sapo: ... where A <= 0 (the paper: above sapo_tau_pos)
+    clip_cov_ratio: float = 2e-4  # clip_cov: fraction of a micro-batch's response tokens whose gradient is detached
+    clip_cov_lb: float = 1.0  # clip_cov: only tokens whose covariance is above this ...
+    clip_cov_ub: float = 5.0  # ... and below this may be picked
+    kl_cov_ratio: float = 2e-4  # kl_cov: fraction of a micro-batch's response tokens (highest covariance) penalised
+    kl_cov_coef: float = 0.1  # kl_cov: weight of |logp - old_logp| on those tokens (verl's ppo_kl_coef)
     entropy_coeff: float = 0.0  # weight of the entropy bonus (subtracted from the loss)
     kl_coeff: float = 0.001  # weight of KL(actor || reference) as a loss term; 0 turns the term off
     kl_estimator: str = "k3"  # k1 | k2 | k3 (the KL loss term's estimator)
@@ -89,6 +100,14 @@ class ActorConfig:
     # the controller applies it (as per-token loss weights) before the batch reaches the workers.
     loss_agg_mode: str = "token-mean"
     use_rollout_logprobs: bool = False  # the engine's log-probs are the old log-probs: no recompute pass
+    # The rollout.n rows of a prompt run as one row: the prompt once, then each response, under an
+    # attention mask that keeps the responses apart (megatron_workers/packing.py). Same loss and
+    # gradient, fewer FLOPs when prompts are long next to responses; micro_batch_size still counts rows.
+    shared_prompt: bool = False
+    # Micro-batches by tokens instead of rows: sequences (with shared_prompt, a prompt's rows) sorted
+    # by length and packed first-fit under this many tokens (rows x the micro-batch's longest row);
+    # micro_batch_size is then unused. The loss is the same for any split. None: micro_batch_size rows.
+    max_tokens_per_micro_batch: Optional[int] = None
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
 
@@ -100,6 +119,8 @@ class ReferenceConfig:
     pp: Optional[int] = None  # default: the actor's
     vpp: Optional[int] = None  # default: the actor's
     micro_batch_size: Optional[int] = None  # default: the actor's
+    shared_prompt: Optional[bool] = None  # default: the actor's
+    max_tokens_per_micro_batch: Optional[int] = None  # default: the actor's
 
 
 @dataclass
@@ -113,6 +134,8 @@ class CriticConfig:
     pp: int = 1
     vpp: int = 1  # virtual pipeline stages per PP rank, as actor.vpp
     micro_batch_size: int = 4  # sequences per forward/backward micro-batch, per DP rank
+    shared_prompt: bool = False  # as actor.shared_prompt
+    max_tokens_per_micro_batch: Optional[int] = None  # as actor.max_tokens_per_micro_batch
     # The critic's own updates; None: the actor's value (resolved_critic below fills them in).
     ppo_mini_batch_size: Optional[int] = None  # prompts per critic optimizer step; must divide data.batch_size
     ppo_epochs: Optional[int] = None  # passes over each rollout batch

@@ -39,6 +39,10 @@ class RoleSpec:
     head: str = "lm"  # "lm": vocabulary logits -> log-probs; "value": a scalar per token
     optim: Optional[OptimConfig] = None  # None: forward-only (no optimizer is built)
     vpp: int = 1  # virtual pipeline stages (model chunks) per PP rank
+    # Run the rows that share a prompt as one row, the prompt once (megatron_workers/packing.py).
+    shared_prompt: bool = False
+    # Micro-batches by a token budget instead of micro_batch_size rows (None: by rows).
+    max_tokens_per_micro_batch: Optional[int] = None
 
     @property
     def world_size(self) -> int:
@@ -47,6 +51,15 @@ class RoleSpec:
     @property
     def trainable(self) -> bool:
         return self.optim is not None
+
+
+class UpdateResult(dict):
+    """An update's metrics (``dict[str, float]``), and in ``outputs`` the token-aligned [B, S]
+    tensors the head kept from the update's own forward (empty unless asked for)."""
+
+    def __init__(self, metrics: dict[str, float], outputs: Optional[dict[str, torch.Tensor]] = None):
+        super().__init__(metrics)
+        self.outputs = outputs or {}
 
 
 @runtime_checkable
@@ -65,9 +78,11 @@ class ForwardRole(Protocol):
 class TrainableRole(ForwardRole, Protocol):
     """A model the loop updates: the actor, the critic."""
 
-    def update(self, batch: Batch, loss_cfg, **head_args) -> dict[str, float]:
+    def update(self, batch: Batch, loss_cfg, **head_args) -> "UpdateResult":
         """One optimizer step on the whole of ``batch`` (``loss_weights`` already set) with the
-        head's loss; returns the metrics summed over micro-batches and DP ranks."""
+        head's loss; returns the metrics summed over micro-batches and DP ranks, and in
+        ``.outputs`` what the head kept of its own forward (the LM head's ``logprobs`` when called
+        with ``on_policy=True``: the batch needs no ``old_logprobs`` then)."""
         ...
 
     def save_checkpoint(self, path: str) -> None: ...

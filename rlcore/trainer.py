@@ -25,7 +25,7 @@ from rlcore.config import JobConfig, resolved_critic
 from rlcore.data import PromptItem, Task
 from rlcore.metrics import MetricsLogger, timer
 from rlcore.reward import RewardError, compute_rewards
-from rlcore.roles import Roles
+from rlcore.roles import Roles, UpdateResult
 from rlcore.rollout_queue import RolloutQueue, staleness
 from rlcore.weight_sync import sync_weights
 
@@ -88,9 +88,12 @@ class Trainer:
         m.update(s.metrics)
         m.update(staleness([t.weight_version for t in s.trajs], self.version, cfg.trainer.off_policy_steps))
         batch = build_batch(s.trajs, self.task.pad_id)
+        on_policy = self.on_policy_update()
         with timer("logprob", m):
-            batch["old_logprobs"] = (batch["rollout_logprobs"] if cfg.actor.use_rollout_logprobs
-                                     else self.actor.forward(batch, temperature=temperature)["logprobs"])
+            if cfg.actor.use_rollout_logprobs:
+                batch["old_logprobs"] = batch["rollout_logprobs"]
+            elif not on_policy:  # on-policy: the update's own forward gives them (below)
+                batch["old_logprobs"] = self.actor.forward(batch, temperature=temperature)["logprobs"]
             if self.reference is not None:
                 batch["ref_logprobs"] = self.reference.forward(batch, temperature=temperature)["logprobs"]
         if self.critic is not None:
@@ -103,7 +106,11 @@ class Trainer:
                 batch["old_values"] = batch["values"]  # the anchor of the clipped value loss
                 m.update(self.train_role(self.critic, batch, resolved_critic(cfg)))
         with timer("update", m):
-            m.update(self.train_role(self.actor, batch, cfg.actor, temperature=temperature))
+            update = self.train_role(self.actor, batch, cfg.actor, temperature=temperature,
+                                     **({"on_policy": True} if on_policy else {}))
+            m.update(update)
+        if on_policy:
+            batch["old_logprobs"] = update.outputs["logprobs"]
         with timer("rollout_wait", m):  # for the batch generating ahead: the engines must be idle to sync
             self.rollouts.wait_idle()
         with timer("weight_sync", m):
@@ -201,11 +208,21 @@ class Trainer:
             m["critic/vf_explained_var"] = explained_variance(batch["values"], batch["returns"], mask)
         return m
 
-    def train_role(self, role, batch: Batch, role_cfg, **head_args) -> dict[str, float]:
+    def on_policy_update(self) -> bool:
+        """Whether the actor's update is the first and only use of the sampling weights on the batch
+        (one epoch, one mini-batch): then its own forward is the old policy, and the separate
+        old-log-prob pass is skipped. Not when the advantages need the old log-probs first (the
+        in-reward KL) or the engine's log-probs stand in for them."""
+        a = self.cfg.actor
+        return (a.ppo_epochs == 1 and a.ppo_mini_batch_size in (None, self.cfg.data.batch_size)
+                and not a.use_rollout_logprobs and not self.cfg.algorithm.kl_in_reward)
+
+    def train_role(self, role, batch: Batch, role_cfg, **head_args) -> UpdateResult:
         """``role_cfg.ppo_epochs`` passes over ``batch`` in mini-batches of ``role_cfg.ppo_mini_batch_size``
         prompts (``role_cfg``: cfg.actor, or resolved_critic(cfg)), one optimizer step each with
         ``role_cfg.loss``; the loss weights (``role_cfg.loss_agg_mode``) are normalised over each
-        mini-batch. Returns the metrics averaged over the steps."""
+        mini-batch. Returns the metrics averaged over the steps, and the outputs the role kept when it
+        took one step on the whole batch."""
         rows = (role_cfg.ppo_mini_batch_size or self.cfg.data.batch_size) * self.cfg.rollout.n
         totals: dict[str, float] = {}
         n_steps = 0
@@ -213,10 +230,11 @@ class Trainer:
             for mini in batch.split(rows):
                 mini["loss_weights"] = loss_weights(mini["response_mask"], role_cfg.loss_agg_mode,
                                                     self.cfg.rollout.max_response_length)
-                for k, v in role.update(mini, role_cfg.loss, **head_args).items():
+                result = role.update(mini, role_cfg.loss, **head_args)
+                for k, v in result.items():
                     totals[k] = totals.get(k, 0.0) + v
                 n_steps += 1
-        return {k: v / n_steps for k, v in totals.items()}
+        return UpdateResult({k: v / n_steps for k, v in totals.items()}, result.outputs if n_steps == 1 else {})
 
     def sync_weights(self, version: int) -> None:
         """The actor's current weights to every rollout engine, as weight version ``version``."""

@@ -55,10 +55,12 @@ def validate(cfg: JobConfig, require_files: Optional[bool] = None) -> JobLayout:
     model = _read_model(cfg.model.path, None if require_files else cfg.model.hf_config)
     _check_pools(cfg)
     _check_checkpointable(cfg, device)
+    _check_shared_prompt(cfg, device)
 
     a = cfg.actor
     actor = _role_layout(cfg, "actor", a.pool, a.tp, a.pp, a.vpp)
     check_model_split(model, actor.tp, actor.pp, actor.vpp, "actor")
+    _check_micro_batch_shapes(cfg, "actor", actor)
     # The actor's log-prob pass runs on the whole batch, a multiple of its mini-batch: checking the
     # mini-batch suffices.
     _check_batch_split(cfg, "actor", actor, *_prompts(cfg, a.ppo_mini_batch_size, "actor"),
@@ -72,6 +74,7 @@ def validate(cfg: JobConfig, require_files: Optional[bool] = None) -> JobLayout:
                                  _default(ref.pp, a.pp), _default(ref.vpp, a.vpp),
                                  defaulted=ref.pool is None and ref.tp is None and ref.pp is None)
         check_model_split(model, reference.tp, reference.pp, reference.vpp, "reference", inherited)
+        _check_micro_batch_shapes(cfg, "reference", reference)
         _check_batch_split(cfg, "reference", reference, "data.batch_size", cfg.data.batch_size,
                            _key("reference", "micro_batch_size", ref.micro_batch_size is None),
                            _default(ref.micro_batch_size, a.micro_batch_size),
@@ -108,6 +111,7 @@ def _critic_layout(cfg: JobConfig, model: HFModelSpec, require_files: bool) -> R
     if c.model_path is not None and (require_files or os.path.isdir(c.model_path)):
         model = _read_critic_model(cfg, model)
     check_model_split(model, layout.tp, layout.pp, layout.vpp, "critic")
+    _check_micro_batch_shapes(cfg, "critic", layout)
     # The critic trains on its own mini-batches (by default the actor's), split into its own
     # micro-batches; the value pass runs on the whole batch, a multiple of them.
     own = cfg.critic.ppo_mini_batch_size is not None
@@ -166,6 +170,12 @@ def _check_mini_batch(role: str, mini_batch_size: Optional[int], batch_size: int
 
 def _check_batch_split(cfg: JobConfig, role: str, layout: RoleLayout, prompts_key: str, prompts: int,
                        micro_batch_key: str, micro_batch_size: int, vpp_key: str) -> None:
+    budget = _micro_batch_shape(cfg, role)[1]
+    if budget:  # micro-batches by tokens: only the DP split must be even
+        if prompts * cfg.rollout.n % layout.dp:
+            raise ConfigError(f"{prompts_key}*rollout.n={prompts}*{cfg.rollout.n} sequences do not split evenly "
+                              f"over the {role}'s dp={layout.dp} ranks")
+        return
     check_micro_batches(role, layout, f"{prompts_key}*rollout.n={prompts}*{cfg.rollout.n}", prompts * cfg.rollout.n,
                         micro_batch_key, micro_batch_size, vpp_key)
 
@@ -245,6 +255,41 @@ def _check_ranges(cfg: JobConfig) -> None:
                           "must be in (0, 1]")
 
 
+def _micro_batch_shape(cfg: JobConfig, role: str) -> tuple[bool, Optional[int]]:
+    """The role's (shared_prompt, max_tokens_per_micro_batch), the reference's defaulting to the actor's."""
+    r, a = getattr(cfg, role), cfg.actor
+    if role == "reference":
+        return (_default(r.shared_prompt, a.shared_prompt),
+                _default(r.max_tokens_per_micro_batch, a.max_tokens_per_micro_batch))
+    return r.shared_prompt, r.max_tokens_per_micro_batch
+
+
+def _check_micro_batch_shapes(cfg: JobConfig, role: str, layout: RoleLayout) -> None:
+    shared, budget = _micro_batch_shape(cfg, role)
+    if budget is not None and budget < 1:
+        raise ConfigError(f"{role}.max_tokens_per_micro_batch={budget} must be positive (or null: micro-batches "
+                          f"of {role}.micro_batch_size rows)")
+    if layout.vpp > 1 and (shared or budget):
+        key = f"{role}.shared_prompt" if shared else f"{role}.max_tokens_per_micro_batch"
+        raise ConfigError(f"{key} with {role}.vpp={layout.vpp}: the interleaved pipeline schedule needs every "
+                          "micro-batch in the same shape; use vpp=1 or turn it off")
+
+
+def _check_shared_prompt(cfg: JobConfig, device: str) -> None:
+    # Packed rows need an arbitrary attention mask and per-token rotary positions. megatron-core's
+    # local attention (the cpu profile) takes both; the gpu profile's TransformerEngine layers run a
+    # causal-only fused attention and fused RoPE here, and that path is not validated yet.
+    if device == "cpu":
+        return
+    for key, on in (("actor.shared_prompt", cfg.actor.shared_prompt),
+                    ("reference.shared_prompt", cfg.reference.shared_prompt),
+                    ("critic.shared_prompt", cfg.critic.shared_prompt and needs_critic(cfg))):
+        if on:
+            raise ConfigError(f"{key}=true needs the cpu profile in this release (packed rows need an arbitrary "
+                              f"attention mask; the {device} profile's TransformerEngine attention is causal-only "
+                              "here); set it false")
+
+
 def _check_checkpointable(cfg: JobConfig, device: str) -> None:
     # megatron-core 0.16.1 saves a distributed-optimizer checkpoint with torch's Adam (the only Adam
     # on the cpu profile) but cannot load it back (KeyError 'step' in distrib_optimizer.py): refuse
@@ -285,6 +330,7 @@ def _check_algorithm_ranges(cfg: JobConfig) -> None:
     if loss.policy_loss == "dual_clip" and not loss.clip_ratio_c > 1:
         raise ConfigError(f"actor.loss.clip_ratio_c={loss.clip_ratio_c} must be above 1 for "
                           "actor.loss.policy_loss=dual_clip")
+    _check_policy_loss_knobs(loss)
     lo, hi = loss.rollout_is_threshold_low, loss.rollout_is_threshold
     if loss.rollout_correction in ("icepop", "seq_mask") and not lo < hi:
         raise ConfigError(f"actor.loss.rollout_is_threshold_low={lo} must be below "
@@ -296,6 +342,25 @@ def _check_algorithm_ranges(cfg: JobConfig) -> None:
     if alg.overlong_buffer.enable and alg.overlong_buffer.len > cfg.rollout.max_response_length:
         raise ConfigError(f"algorithm.overlong_buffer.len={alg.overlong_buffer.len} exceeds "
                           f"rollout.max_response_length={cfg.rollout.max_response_length}")
+
+
+def _check_policy_loss_knobs(loss) -> None:
+    """The knobs of the policy loss chosen (the others are not read, so not checked)."""
+    name = loss.policy_loss
+    keys = {"sapo": ("sapo_tau_pos", "sapo_tau_neg"), "clip_cov": ("clip_cov_ratio",),
+            "kl_cov": ("kl_cov_ratio", "kl_cov_coef")}.get(name, ())
+    for key in keys:
+        value = getattr(loss, key)
+        if key.endswith("_ratio") and not 0 < value <= 1:
+            raise ConfigError(f"actor.loss.{key}={value} must be in (0, 1] (the fraction of a micro-batch's "
+                              f"response tokens picked) for actor.loss.policy_loss={name}")
+        if key.startswith("sapo_tau") and not value > 0:
+            raise ConfigError(f"actor.loss.{key}={value} must be positive for actor.loss.policy_loss={name}")
+        if key == "kl_cov_coef" and value < 0:
+            raise ConfigError(f"actor.loss.{key}={value} must not be negative for actor.loss.policy_loss={name}")
+    if name == "clip_cov" and not loss.clip_cov_lb < loss.clip_cov_ub:
+        raise ConfigError(f"actor.loss.clip_cov_lb={loss.clip_cov_lb} must be below actor.loss.clip_cov_ub="
+                          f"{loss.clip_cov_ub} (the band of covariances whose tokens may be picked)")
 
 
 def _check_resume(resume: str) -> None:

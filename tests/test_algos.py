@@ -37,7 +37,7 @@ def scatter(rows: list[list[float]], masks: list[list[int]]) -> torch.Tensor:
 def test_names_are_the_ones_users_type():
     assert sorted(ADV_ESTIMATORS) == sorted(["gae", "grpo", "drgrpo", "rloo", "reinforce_plus_plus",
                                             "reinforce_plus_plus_baseline", "remax"])
-    assert sorted(POLICY_LOSSES) == ["cispo", "dual_clip", "gspo", "vanilla"]
+    assert list(POLICY_LOSSES) == ["vanilla", "dual_clip", "gspo", "cispo", "gmpo", "sapo", "gpg", "clip_cov", "kl_cov"]
     assert list(AGG_MODES) == ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
@@ -56,9 +56,10 @@ def test_a_registry_refuses_a_second_entry_of_the_same_name():
 def test_an_unknown_name_lists_the_valid_ones_with_the_config_key():
     with pytest.raises(UnknownNameError) as info:
         POLICY_LOSSES["dpo"]
-    assert str(info.value) == "actor.loss.policy_loss='dpo' is not one of: vanilla, dual_clip, gspo, cispo"
+    assert str(info.value) == ("actor.loss.policy_loss='dpo' is not one of: vanilla, dual_clip, gspo, cispo, gmpo, "
+                               "sapo, gpg, clip_cov, kl_cov")
     assert isinstance(info.value, KeyError) and isinstance(info.value, ValueError)
-    assert "dpo" not in POLICY_LOSSES and POLICY_LOSSES.get("dpo") is None and len(POLICY_LOSSES) == 4
+    assert "dpo" not in POLICY_LOSSES and POLICY_LOSSES.get("dpo") is None and len(POLICY_LOSSES) == 9
     with pytest.raises(ValueError, match="algorithm.kl_penalty='k4' is not one of: k1, k2, k3"):
         KL_ESTIMATORS.check("k4", key="algorithm.kl_penalty")
     with pytest.raises(TypeError):  # a misspelt declaration is an error, not a silent default
@@ -369,6 +370,152 @@ def test_cispo_clips_the_is_weight_and_keeps_every_tokens_gradient():
     torch.testing.assert_close(logp.grad, torch.tensor([[-1.2, 0.8, -2.2]]))
 
 
+def test_gmpo_hand_computed_is_the_geometric_mean_objective():
+    # Position 0 is a prompt token with a wild ratio. clip range 0.4 on the log-ratio (the paper's).
+    # Row 0, A = +1, log-ratios 0.1, 0.6, -0.8: for A > 0 only the top is clipped: 0.1, 0.4, -0.8,
+    #   mean -0.1, R_0 = exp(-0.1); every token's loss is -A R_0.
+    # Row 1, A = -2 (one padding position), log-ratios -0.6, 0.3: for A < 0 only the bottom is clipped:
+    #   -0.4, 0.3, mean -0.05, R_1 = exp(-0.05); loss +2 R_1.
+    mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 0.]])
+    old = torch.tensor([[-1.0, -1.0, -2.0, -0.5], [-1.0, -1.5, -1.0, -1.0]])
+    log_ratio = torch.tensor([[6.0, 0.1, 0.6, -0.8], [6.0, -0.6, 0.3, 0.0]])
+    logp = (old + log_ratio).requires_grad_(True)
+    adv = torch.tensor([[1.0], [-2.0]]).expand(2, 4) * mask
+    cfg = LossConfig(clip_ratio_low=0.4, clip_ratio_high=0.4)
+    loss, stats = POLICY_LOSSES["gmpo"](logp, old, adv, mask, cfg)
+    r0, r1 = math.exp(-0.1), math.exp(-0.05)
+    torch.testing.assert_close((loss * mask).detach(), torch.tensor([[0, -r0, -r0, -r0], [0, 2 * r1, 2 * r1, 0]]))
+    assert (stats["clip_frac"] * mask).tolist() == [[0, 0, 1, 0], [0, 1, 0, 0]]
+    # Aggregated as the paper does (mean over sequences: seq-mean-token-mean), the value is
+    # mean_i(-A_i R_i) and the gradient d/dlogp_t of it: -A_i R_i / |o_i| / 2 on unclipped tokens, 0 on clipped.
+    weights = loss_weights(mask, "seq-mean-token-mean", 4)
+    total = aggregate(loss, weights)
+    assert total.item() == pytest.approx((-r0 + 2 * r1) / 2)
+    total.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0, -r0 / 3 / 2, 0, -r0 / 3 / 2], [0, 0, 2 * r1 / 2 / 2, 0]]))
+
+
+def test_gmpo_is_less_moved_by_one_outlier_ratio_than_the_arithmetic_mean():
+    # One sequence, A = +1, ratios 1, 1, 1 and one outlier 8 (log 2.08), no clip (bounds of 10):
+    # the arithmetic mean of the ratios is 11/4 = 2.75, the geometric one 8^(1/4) = 1.68.
+    mask = torch.ones(1, 4)
+    old = torch.zeros(1, 4)
+    logp = torch.tensor([[0.0, 0.0, 0.0, math.log(8.0)]])
+    cfg = LossConfig(clip_ratio_low=0.99, clip_ratio_high=10.0)
+    gmpo, _ = POLICY_LOSSES["gmpo"](logp, old, mask, mask, cfg)
+    assert gmpo[0, 0].item() == pytest.approx(-(8.0 ** 0.25))
+    arithmetic, _ = ppo_clip_loss(logp, old, mask, LossConfig(clip_ratio_low=0.99, clip_ratio_high=10.0))
+    assert arithmetic.mean().item() == pytest.approx(-2.75)
+
+
+def test_sapo_soft_gate_hand_computed():
+    # f(r) = sigmoid(tau (r - 1)) * 4 / tau, loss -f(r) A; tau_pos = 2 for A > 0, tau_neg = 3 for A <= 0.
+    #   A=+1 r=1  : sigmoid(0) = 0.5      -> -0.5 * 4/2 = -1
+    #   A=+1 r=0.5: sigmoid(-1) = 0.268941 -> -0.268941 * 2 = -0.537883
+    #   A=-1 r=2  : sigmoid(3) = 0.952574  -> +0.952574 * 4/3 = 1.270099
+    #   A=-1 r=1  : sigmoid(0)             -> +0.5 * 4/3 = 0.666667
+    ratio = torch.tensor([[1.0, 0.5, 2.0, 1.0]])
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
+    old = torch.tensor([[-1.0, -0.5, -2.0, -0.3]])
+    logp = (old + ratio.log()).requires_grad_(True)
+    cfg = LossConfig(sapo_tau_pos=2.0, sapo_tau_neg=3.0)
+    loss, stats = POLICY_LOSSES["sapo"](logp, old, adv, torch.ones_like(adv), cfg)
+    torch.testing.assert_close(loss.detach(), torch.tensor([[-1.0, -0.537883, 1.270099, 0.666667]]))
+    # The gradient's factor 4 s (1 - s): 1 on-policy, 4 * 0.268941 * 0.731059 = 0.786448, 4 * 0.952574 * 0.047426
+    # = 0.180707 for the off-policy tokens.
+    torch.testing.assert_close(stats["sapo_gate"], torch.tensor([[1.0, 0.786448, 0.180707, 1.0]]))
+    loss.sum().backward()
+    # d loss / d logp = -A r * 4 s (1 - s): -1 and +1 on-policy (vanilla's), -0.5 * 0.786448, +2 * 0.180707:
+    # descent raises the log-prob of the A > 0 tokens and lowers the A < 0 ones', less the farther off-policy.
+    torch.testing.assert_close(logp.grad, torch.tensor([[-1.0, -0.393224, 0.361414, 1.0]]))
+
+
+def test_sapo_default_temperatures_fade_negative_updates_sooner():
+    # The same ratio 1.5 for A = +1 and A = -1: tau_neg = 1.05 > tau_pos = 1 gives the negative token the smaller gate.
+    ratio = torch.tensor([[1.5, 1.5]])
+    _, stats = POLICY_LOSSES["sapo"](ratio.log(), torch.zeros(1, 2), torch.tensor([[1.0, -1.0]]), torch.ones(1, 2),
+                                     LossConfig())
+    s_pos, s_neg = 1 / (1 + math.exp(-0.5)), 1 / (1 + math.exp(-0.525))
+    torch.testing.assert_close(stats["sapo_gate"], torch.tensor([[4 * s_pos * (1 - s_pos), 4 * s_neg * (1 - s_neg)]]))
+    assert stats["sapo_gate"][0, 1] < stats["sapo_gate"][0, 0]
+
+
+def test_gpg_is_the_plain_policy_gradient():
+    # -A logp, whatever the old policy: logp -0.5, -2, -1 with A 1, -3, 0.5 -> 0.5, -6, 0.5; gradient -A.
+    logp = torch.tensor([[-0.5, -2.0, -1.0]], requires_grad=True)
+    adv = torch.tensor([[1.0, -3.0, 0.5]])
+    for old in (torch.zeros(1, 3), torch.full((1, 3), -7.0)):
+        loss, stats = POLICY_LOSSES["gpg"](logp, old, adv, torch.ones_like(adv), LossConfig())
+        torch.testing.assert_close(loss.detach(), torch.tensor([[0.5, -6.0, 0.5]]))
+        assert stats == {}
+    loss.sum().backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-1.0, 3.0, -0.5]]))
+
+
+# Two sequences of 3 response tokens after a prompt token with wild values (outside the mask).
+# Row 0: A = +2, row 1: A = -1 -> mean A over the 6 tokens 0.5, centred +1.5 / -1.5.
+# logp of both rows -0.2, -1.0, -2.4 -> mean -1.2, centred +1.0, +0.2, -1.2.
+# Covariances: row 0 1.5, 0.3, -1.8; row 1 -1.5, -0.3, 1.8.
+COV_MASK = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 1.]])
+COV_LOGP = torch.tensor([[-30.0, -0.2, -1.0, -2.4], [-30.0, -0.2, -1.0, -2.4]])
+COV_ADV = torch.tensor([[100.0, 2, 2, 2], [100.0, -1, -1, -1]])
+
+
+def test_clip_cov_detaches_the_picked_high_covariance_tokens_hand_computed():
+    # Row 0's first token has ratio 1.5 (PPO clips it: A > 0); every other ratio is 1. In the band
+    # (1, 5): row 0 token 1 (1.5, but PPO-clipped: not eligible) and row 1 token 3 (1.8): the budget is
+    # int(0.34 * 6) = 2, but only that one is eligible, so it alone is picked.
+    old = COV_LOGP - torch.tensor([[0.0, math.log(1.5), 0, 0], [0, 0, 0, 0]])
+    logp = COV_LOGP.clone().requires_grad_(True)
+    loss, stats = POLICY_LOSSES["clip_cov"](logp, old, COV_ADV, COV_MASK, LossConfig(clip_cov_ratio=0.34))
+    # PPO's values: row 0: max(-3, -2.4) = -2.4, then -2, -2; row 1: +1 each (the picked one keeps its value).
+    torch.testing.assert_close((loss * COV_MASK).detach(), torch.tensor([[0, -2.4, -2, -2], [0, 1.0, 1, 1]]))
+    assert (stats["clip_frac"] * COV_MASK).tolist() == [[0, 1, 0, 0], [0, 0, 0, 0]]
+    assert stats["cov_clip_frac"].tolist() == [[0, 0, 0, 0], [0, 0, 0, 1]]
+    (loss * COV_MASK).sum().backward()
+    # -A r where not clipped; 0 for the PPO-clipped token and for the picked one.
+    torch.testing.assert_close(logp.grad, torch.tensor([[0, 0, -2.0, -2], [0, 1, 1, 0]]))
+
+
+def test_clip_cov_picks_its_budget_at_random_in_the_band_and_the_same_on_every_call():
+    # 200 on-policy tokens: A = +4, -4 alternating (mean 0); logp -1, -1, -3, -3 repeated (mean -2, centred
+    # +1, +1, -1, -1): covariances 4, -4, -4, 4, ... Half are in the band (1, 5); a 5% budget picks 10 of them.
+    adv = torch.tensor([4.0, -4.0]).repeat(100)[None, :]
+    logp = torch.tensor([-1.0, -1.0, -3.0, -3.0]).repeat(50)[None, :]
+    in_band = (adv * (logp + 2.0)) == 4.0
+    mask = torch.ones_like(adv)
+    cfg = LossConfig(clip_cov_ratio=0.05)
+    _, first = POLICY_LOSSES["clip_cov"](logp, logp.clone(), adv, mask, cfg)
+    _, again = POLICY_LOSSES["clip_cov"](logp, logp.clone(), adv, mask, cfg)
+    picked = first["cov_clip_frac"].bool()
+    assert int(picked.sum()) == 10 and int(in_band.sum()) == 100
+    assert bool(in_band[picked].all())  # only tokens in the band
+    assert torch.equal(first["cov_clip_frac"], again["cov_clip_frac"])  # every TP rank, every rerun: the same pick
+
+
+def test_kl_cov_penalises_the_top_covariance_tokens_hand_computed():
+    # kl_cov_ratio 0.34 of 6 tokens: int(2.04) = 2 picked, the two largest covariances: row 1 token 3
+    # (1.8) and row 0 token 1 (1.5). Ratios: row 0 token 1 1.5, row 1 token 3 0.5, the rest 1.
+    log_r = torch.tensor([[0.0, math.log(1.5), 0, 0], [0, 0, 0, math.log(0.5)]])
+    logp = COV_LOGP.clone().requires_grad_(True)
+    cfg = LossConfig(kl_cov_ratio=0.34, kl_cov_coef=1.0)
+    loss, stats = POLICY_LOSSES["kl_cov"](logp, COV_LOGP - log_r, COV_ADV, COV_MASK, cfg)
+    # Picked: -A r + |log r|: -2 * 1.5 + 0.405465 = -2.594535 and 1 * 0.5 + 0.693147 = 1.193147; the rest -A r
+    # unclipped: -2, -2 and 1, 1.
+    torch.testing.assert_close((loss * COV_MASK).detach(),
+                               torch.tensor([[0, -2.594535, -2, -2], [0, 1, 1, 1.193147]]))
+    assert stats["kl_cov_frac"].tolist() == [[0, 1, 0, 0], [0, 0, 0, 1]]
+    (loss * COV_MASK).sum().backward()
+    # -A r + sign(log r): -3 + 1 = -2 (PPO would clip it to 0), 0.5 - 1 = -0.5 (pulled back up to the old
+    # policy, whose ratio is 1); -A elsewhere.
+    torch.testing.assert_close(logp.grad, torch.tensor([[0, -2.0, -2, -2], [0, 1, 1, -0.5]]))
+
+
+def test_cov_losses_declare_micro_batch_statistics():
+    per_micro_batch = {name for name in POLICY_LOSSES if POLICY_LOSSES.meta(name).micro_batch_statistics}
+    assert per_micro_batch == {"clip_cov", "kl_cov"}
+
+
 # -------------------------------------------------------------------------------- actor_loss
 def _on_policy_batch(mode: str, advantages, masks, norm_length=4):
     mask = torch.tensor(masks, dtype=torch.float32)
@@ -475,7 +622,10 @@ def _summed_loss_and_grad(logprobs, entropy, batch, cfg, chunks: int):
     return total.detach(), logprobs.grad, metrics
 
 
-@pytest.mark.parametrize("policy_loss", list(POLICY_LOSSES))
+SPLIT_INVARIANT_LOSSES = [name for name in POLICY_LOSSES if not POLICY_LOSSES.meta(name).micro_batch_statistics]
+
+
+@pytest.mark.parametrize("policy_loss", SPLIT_INVARIANT_LOSSES)
 @pytest.mark.parametrize("chunks", [2, 4])
 def test_micro_batch_splits_give_the_same_loss_gradient_and_metrics(chunks, policy_loss):
     logprobs, entropy, batch = _random_batch(mode="seq-mean-token-mean")
@@ -487,6 +637,40 @@ def test_micro_batch_splits_give_the_same_loss_gradient_and_metrics(chunks, poli
     assert metrics.keys() == ref_metrics.keys()
     for key in metrics:
         torch.testing.assert_close(metrics[key], ref_metrics[key])
+
+
+@pytest.mark.parametrize("chunks", [2, 4])
+def test_cov_losses_split_invariance_where_it_holds(chunks):
+    # kl_cov on-policy (old == logp): |log r| and its gradient are 0 on the picked tokens, so any split agrees.
+    logprobs, entropy, batch = _random_batch(mode="seq-mean-token-mean")
+    on_policy = batch.slice(0, batch.size)
+    on_policy["old_logprobs"] = logprobs.clone()
+    cfg = LossConfig(policy_loss="kl_cov", kl_cov_ratio=0.2, kl_cov_coef=1.0, kl_coeff=0.0)
+    whole = _summed_loss_and_grad(logprobs, entropy, on_policy, cfg, chunks=1)
+    split = _summed_loss_and_grad(logprobs, entropy, on_policy, cfg, chunks=chunks)
+    torch.testing.assert_close(split[0], whole[0])
+    torch.testing.assert_close(split[1], whole[1])
+    # clip_cov with no covariance in its band is vanilla, for any split.
+    cfg = LossConfig(policy_loss="clip_cov", clip_cov_lb=1e3, clip_cov_ub=1e4, kl_coeff=0.0)
+    vanilla = _summed_loss_and_grad(logprobs, entropy, batch, LossConfig(kl_coeff=0.0), chunks=1)
+    split = _summed_loss_and_grad(logprobs, entropy, batch, cfg, chunks=chunks)
+    torch.testing.assert_close(split[0], vanilla[0])
+    torch.testing.assert_close(split[1], vanilla[1])
+
+
+@pytest.mark.parametrize("chunks", [2, 4])
+def test_cov_losses_pick_per_micro_batch(chunks):
+    # What does not hold, stated: each call picks its own budget (at least one token) by its own
+    # statistics, so a split into micro-batches picks more tokens in all than the whole batch does.
+    logprobs, _, batch = _random_batch()
+    mask, old, adv = batch["response_mask"], batch["old_logprobs"], batch["advantages"]
+    cfg = LossConfig(kl_cov_ratio=0.05)  # 24 response tokens: max(1, int(1.2)) = 1 per call
+    _, whole = POLICY_LOSSES["kl_cov"](logprobs, old, adv, mask, cfg)
+    size = batch.size // chunks
+    picked = sum(POLICY_LOSSES["kl_cov"](logprobs[i:i + size], old[i:i + size], adv[i:i + size], mask[i:i + size],
+                                         cfg)[1]["kl_cov_frac"].sum() for i in range(0, batch.size, size))
+    assert whole["kl_cov_frac"].sum().item() == 1
+    assert picked.item() == chunks
 
 
 def test_one_chunk_loss_is_the_global_token_mean():

@@ -387,7 +387,8 @@ def test_grpo_needs_groups_of_two(files):
 @pytest.mark.parametrize("override, expected", [
     ("algorithm.adv_estimator=gae2", "algorithm.adv_estimator='gae2' is not one of: gae, grpo, drgrpo, rloo, "
      "reinforce_plus_plus, reinforce_plus_plus_baseline, remax"),
-    ("actor.loss.policy_loss=dpo", "actor.loss.policy_loss='dpo' is not one of: vanilla, dual_clip, gspo, cispo"),
+    ("actor.loss.policy_loss=dpo", "actor.loss.policy_loss='dpo' is not one of: vanilla, dual_clip, gspo, cispo, "
+     "gmpo, sapo, gpg, clip_cov, kl_cov"),
     ("actor.loss.kl_estimator=k4", "actor.loss.kl_estimator='k4' is not one of: k1, k2, k3"),
     ("rollout.weight_transport=tcp", "rollout.weight_transport='tcp' is not one of: auto, shm, broadcast"),
     ("actor.loss_agg_mode=seq-mean", "actor.loss_agg_mode='seq-mean' is not one of: token-mean, seq-mean-token-sum, "
@@ -448,6 +449,15 @@ def test_ppo_mini_batch_must_split_into_micro_batches(files):
      "algorithm.overlong_buffer.len=300 exceeds rollout.max_response_length=256"),
     (["algorithm.kl_ctrl.kl_coef=-1"], "algorithm.kl_ctrl.kl_coef=-1.0 must not be negative"),
     (["actor.loss.entropy_coeff=-0.01"], "actor.loss.entropy_coeff=-0.01 must not be negative"),
+    (["actor.loss.policy_loss=sapo", "actor.loss.sapo_tau_neg=0"],
+     "actor.loss.sapo_tau_neg=0.0 must be positive for actor.loss.policy_loss=sapo"),
+    (["actor.loss.policy_loss=clip_cov", "actor.loss.clip_cov_ratio=1.5"],
+     "actor.loss.clip_cov_ratio=1.5 must be in (0, 1]"),
+    (["actor.loss.policy_loss=clip_cov", "actor.loss.clip_cov_lb=5"],
+     "actor.loss.clip_cov_lb=5.0 must be below actor.loss.clip_cov_ub=5.0"),
+    (["actor.loss.policy_loss=kl_cov", "actor.loss.kl_cov_ratio=0"], "actor.loss.kl_cov_ratio=0.0 must be in (0, 1]"),
+    (["actor.loss.policy_loss=kl_cov", "actor.loss.kl_cov_coef=-1"],
+     "actor.loss.kl_cov_coef=-1.0 must not be negative for actor.loss.policy_loss=kl_cov"),
 ])
 def test_algorithm_knob_ranges(files, overrides, expected):
     assert_in(validate_error(files, *overrides), expected)
@@ -635,3 +645,31 @@ def test_vpp_resolves_for_every_role_and_the_reference_inherits_the_actors(files
 ])
 def test_vpp_errors_name_the_key_and_the_rule(files, overrides, parts):
     assert_in(validate_error(files, eight_layers(files), *overrides), *parts)
+
+
+# ------------------------------------------------------------------ micro-batch shape (packing)
+@pytest.mark.parametrize("overrides, parts", [
+    (["actor.max_tokens_per_micro_batch=0"], ["actor.max_tokens_per_micro_batch=0 must be positive"]),
+    (["reference.max_tokens_per_micro_batch=-5"], ["reference.max_tokens_per_micro_batch=-5 must be positive"]),
+    (["actor.pp=2", "actor.vpp=2", "actor.shared_prompt=true"],
+     ["actor.shared_prompt with actor.vpp=2", "same shape"]),
+    (["actor.pp=2", "actor.vpp=2", "actor.max_tokens_per_micro_batch=512"],
+     ["actor.max_tokens_per_micro_batch with actor.vpp=2"]),
+    # The reference inherits the actor's shape (and vpp), unless it sets its own.
+    (["actor.pp=2", "actor.vpp=2", "reference.vpp=2", "reference.shared_prompt=true"],
+     ["reference.shared_prompt with reference.vpp=2"]),
+])
+def test_micro_batch_shape_errors_name_the_key(files, overrides, parts):
+    assert_in(validate_error(files, eight_layers(files), *overrides), *parts)
+
+
+def test_token_budget_needs_only_an_even_dp_split(files):
+    # 64 sequences, micro_batch_size 7 would not divide them: under a token budget it is unused.
+    validate(job(files, "actor.micro_batch_size=7", "reference.micro_batch_size=7", "actor.max_tokens_per_micro_batch=256"))
+    assert "actor.micro_batch_size=7" in validate_error(files, "actor.micro_batch_size=7", "reference.micro_batch_size=7")
+
+
+def test_shared_prompt_is_refused_on_the_gpu_profile(files):
+    message = validate_error(files, "resources.device=gpu", "model.dtype=bfloat16", "actor.shared_prompt=true")
+    assert_in(message, "actor.shared_prompt=true needs the cpu profile", "set it false")
+    validate(job(files, "resources.device=cpu", "actor.shared_prompt=true"))

@@ -64,16 +64,17 @@ def test_weight_sync_makes_vllm_match_the_trained_tied_pp2_actor(split_pools, tm
         seqs = batch["input_ids"].tolist()
         mask = torch.zeros_like(batch["response_mask"]).bool()
         mask[:, 1:] = True  # every position that has a prefix
+        every_position = Batch(input_ids=batch["input_ids"])  # no response mask: every output is computed
 
         before = torch.tensor(rollout.prompt_logprobs(seqs))
-        assert (before - actor.forward(batch)["logprobs"])[mask].abs().max() < 1e-3, "same checkpoint must agree"
+        assert (before - actor.forward(every_position)["logprobs"])[mask].abs().max() < 1e-3, "same checkpoint must agree"
 
         # A large step so the new weights are far from the engine's.
         batch["old_logprobs"] = actor.forward(batch)["logprobs"]
         batch["advantages"] = torch.randn(batch["input_ids"].shape, generator=torch.Generator().manual_seed(1))
         batch["loss_weights"] = loss_weights(batch["response_mask"], "token-mean", norm_length=7)
         actor.update(batch, LossConfig(kl_coeff=0.0))
-        trained = actor.forward(batch)["logprobs"]
+        trained = actor.forward(every_position)["logprobs"]
         stale = torch.tensor(rollout.prompt_logprobs(seqs))
         assert (stale - trained)[mask].abs().max() > 1e-2, "the update should move the log-probs"
 

@@ -91,8 +91,10 @@ def transformers_critic(folder: str):
     return model.eval()
 
 
-def transformers_values(model, input_ids):
-    return F.pad(model(input_ids).logits[:, :-1, 0], (1, 0))
+def transformers_values(model, batch):
+    """transformers' token-aligned values where they are scored (response tokens), 0 elsewhere: the
+    value head runs only at the positions that score a response token."""
+    return F.pad(model(batch["input_ids"]).logits[:, :-1, 0], (1, 0)) * batch["response_mask"]
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +124,7 @@ def test_values_and_gradient_match_transformers(one_process):
     batch, before, metrics = one_process["batch"], one_process["before"], one_process["metrics"]
     assert before.shape == (BATCH, SEQ) and torch.all(before[:, 0] == 0)
     model = transformers_critic(one_process["initial_dir"])
-    values = transformers_values(model, batch["input_ids"])
+    values = transformers_values(model, batch)
     torch.testing.assert_close(before, values.detach(), atol=TOL, rtol=0)
 
     hf_batch = Batch(batch, old_values=before * batch["response_mask"])
@@ -182,7 +184,7 @@ def test_exported_critic_loads_back_under_pp2(placement, one_process):
     assert sorted(exported) == sorted(saved)
     for name, tensor in saved.items():
         torch.testing.assert_close(exported[name], tensor, atol=0, rtol=0, msg=name)
-    hf_values = transformers_values(transformers_critic(folder), one_process["batch"]["input_ids"])
+    hf_values = transformers_values(transformers_critic(folder), one_process["batch"])
     torch.testing.assert_close(values, hf_values.detach(), atol=TOL, rtol=0)
 
 
@@ -205,7 +207,7 @@ def test_critic_from_an_untied_actor_ignores_lm_head(qwen2_untied, placement, tm
             torch.testing.assert_close(exported[name], tensor, atol=0, rtol=0, msg=name)
     assert torch.all(exported["score.bias"] == 0) and exported["score.weight"].abs().sum() > 0
     model = transformers_critic(save_hf_critic(exported, qwen2_untied, str(tmp_path / "critic")))
-    torch.testing.assert_close(values, transformers_values(model, batch["input_ids"]).detach(), atol=TOL, rtol=0)
+    torch.testing.assert_close(values, transformers_values(model, batch).detach(), atol=TOL, rtol=0)
 
 
 def test_critic_hf_config_is_read_as_the_same_model(model_path):

@@ -119,7 +119,10 @@ def test_one_process_matches_transformers_and_first_step_is_on_policy(model_path
     pad = torch.nn.functional.pad
     logprobs = pad(log_softmax.gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1), (1, 0))
     entropy = pad(-(log_softmax.exp() * log_softmax).sum(-1), (1, 0))
-    torch.testing.assert_close(before, logprobs.detach(), atol=TOL, rtol=0)
+    # Outputs are computed where they score a response token only; the other positions hold 0.
+    scored = batch["response_mask"].bool()
+    torch.testing.assert_close(before[scored], logprobs.detach()[scored], atol=TOL, rtol=0)
+    assert torch.all(before[~scored] == 0)
 
     # Megatron's gradient is the gradient of the global token-mean loss (of the sum of actor_loss over
     # micro-batches): its norm equals that of transformers' gradient of the same loss on the whole batch.

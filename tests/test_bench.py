@@ -1,0 +1,91 @@
+"""The benchmarks' own arithmetic and mappings (no timing here: speed is measured by bench/, never
+asserted): the update's FLOP count, the overlap figure, and how bench/vs_trl.py states a job in TRL's
+terms, refusing what TRL cannot reproduce."""
+import pytest
+
+from bench.e2e_step import TOTAL, executed_rows, overlap, update_flops_per_row
+from bench.vs_trl import NotComparable, trl_job
+from rlcore.hf_config import parse_hf_config
+from rlcore.job import load_job
+
+TINY = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "max_position_embeddings": 32}
+
+
+def test_update_flops_hand_computed():
+    hf = parse_hf_config(TINY, "tiny")  # head_dim 4: q width 8, kv width 4
+    # per layer: q 8*8 + k,v 2*8*4 + out 8*8 + SwiGLU 3*8*16 = 576 weights; 3 tokens attend to 1+2+3
+    # positions: 4 * 8 * 6 = 192; output layer 2 * 8 * 10 on the 1 scored position.
+    forward = 2 * (2 * 576 * 3 + 192) + 2 * 8 * 10 * 1
+    assert update_flops_per_row(hf, tokens=3, scored=1) == 3 * forward
+
+
+def test_overlap_is_step_over_the_sum_of_phases():
+    sequential = {TOTAL: 10.0, "timing/rollout_s": 4.0, "timing/update_s": 6.0}
+    overlapped = {TOTAL: 6.0, "timing/rollout_s": 4.0, "timing/update_s": 6.0}
+    assert overlap([(sequential, 0, 0, 0.0)]) == pytest.approx(1.0)
+    assert overlap([(overlapped, 0, 0, 0.0), (overlapped, 0, 0, 0.0)]) == pytest.approx(0.6)
+
+
+def test_trl_job_states_the_same_job():
+    cfg = load_job("yaml_configs/smollm2_math_cpu.yaml", [])
+    job = trl_job(cfg, "float32", steps=3, threads=2, gradient_checkpointing=True, out_dir="/tmp/x")
+    assert (job["loss_type"], job["beta"], job["n"], job["prompts_per_step"]) == ("dapo", 0.0, 8, 4)
+    assert (job["temperature"], job["max_new_tokens"], job["lr"], job["top_k"]) == (0.7, 16, 1e-5, 0)
+    assert (job["scale_rewards"], job["reward_function"], job["steps"]) == ("group", "numeric", 3)
+    assert (job["bf16"], job["gradient_checkpointing"]) == (False, True)
+    mean = trl_job(load_job("yaml_configs/smollm2_math_cpu.yaml", ["actor.loss_agg_mode=seq-mean-token-mean"]),
+                   "float32", 3, 2, True, "/tmp/x")
+    assert mean["loss_type"] == "grpo"
+
+
+@pytest.mark.parametrize("override, key", [
+    ("actor.loss_agg_mode=seq-mean-token-sum", "actor.loss_agg_mode"),
+    ("algorithm.adv_estimator=rloo", "algorithm.adv_estimator"),
+    ("actor.loss.policy_loss=gspo", "actor.loss.policy_loss"),
+    ("actor.ppo_epochs=2", "actor.ppo_epochs"),
+    ("algorithm.dynamic_sampling.enable=true", "algorithm.dynamic_sampling.enable"),
+])
+def test_trl_job_refuses_what_trl_cannot_reproduce(override, key):
+    cfg = load_job("yaml_configs/smollm2_math_cpu.yaml", [override])
+    with pytest.raises(NotComparable, match=f"^{key}="):
+        trl_job(cfg, "float32", 3, 2, True, "/tmp/x")
+
+
+def test_trl_side_scores_with_the_trainers_reward_rule(tmp_path):
+    """bench/trl_grpo.py (TRL's venv imports it too: only rlcore.data and rlcore.reward) reads the rows
+    in dataset order and scores a completion from its token ids as the trainer does."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from bench.trl_grpo import load_rows, make_reward
+
+    rows = [{"prompt": [{"role": "user", "content": f"What is {a} plus 2?"}], "data_source": "arith",
+             "reward_model": {"ground_truth": str(a + 2)}} for a in (1, 5)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    loaded = load_rows([str(tmp_path / "train.parquet")], "prompt")
+    assert [(r["row_index"], r["ground_truth"], json.loads(r["extra_info"])) for r in loaded] == \
+        [(0, "3", {}), (1, "7", {})]
+
+    class CharTokenizer:  # ids are character codes; 0 is a special token the decode drops
+        def decode(self, ids, skip_special_tokens):
+            return "".join(chr(i) for i in ids if i or not skip_special_tokens)
+
+    reward = make_reward("numeric", CharTokenizer())
+    completions = [[ord(c) for c in "It is 3."] + [0], [ord(c) for c in "8"]]
+    scores = reward(prompts=None, completions=None, completion_ids=completions,
+                    **{k: [r[k] for r in loaded] for k in ("ground_truth", "data_source", "extra_info", "row_index")})
+    assert scores == [1.0, 0.0]
+
+
+def test_executed_rows_count_a_shared_prompt_once():
+    from rlcore.batch import Trajectory, build_batch
+
+    trajs = [Trajectory(0, [5, 6, 7], [8, 9], [0.0, 0.0], "stop", 0), Trajectory(0, [5, 6, 7], [10], [0.0], "stop", 0),
+             Trajectory(1, [5, 6], [11, 12, 13], [0.0] * 3, "stop", 0)]
+    batch = build_batch(trajs, pad_id=0)
+    assert executed_rows(batch, shared_prompt=False) == [(5, 2), (4, 1), (5, 3)]
+    assert executed_rows(batch, shared_prompt=True) == [(3 + 2 + 1, 3), (2 + 3, 3)]
