@@ -236,6 +236,10 @@ class TrainerConfig:
     run_dir: str = "runs/default"
     tensorboard: bool = True
     val_every: int = 0  # greedy validation on data.val_files every N steps (and before step 1); 0: never
+    # Pipelined phases (rlcore/rollout_queue.py): 0 = synchronous (sample, train, sync); K > 0 = the
+    # next K batches generate and are scored while the actor trains, so step k trains on a batch made
+    # by weight version max(0, k-1-K): every trajectory lags the trained weights by at most K versions.
+    off_policy_steps: int = 0
     # Checkpoints (rlcore/checkpoint.py): the actor's (and critic's) megatron-core distributed
     # checkpoint + the controller's state, at the end of every save_every-th step and the last step.
     save_every: int = 0  # 0: never save

@@ -3,6 +3,10 @@
     prompts -> rollout pool (vLLM) -> trajectories -> rewards -> old/ref log-probs, values (Megatron)
             -> advantages (here, plain torch) -> critic and actor updates (Megatron) -> weight sync -> metrics
 
+With ``trainer.off_policy_steps = K > 0`` the first two arrows run ahead on a background thread
+(``rlcore/rollout_queue.py``): step k's batch was sampled by weight version max(0, k - 1 - K) while
+the actor trained on earlier batches; everything after them is the same code.
+
 The roles arrive built (``launch/compose.py`` is the composition root); the trainer knows them only
 as ``rlcore.roles`` protocols, and the task (tokenizer, datasets, reward function) as a ``Task``.
 """
@@ -22,6 +26,7 @@ from rlcore.data import PromptItem, Task
 from rlcore.metrics import MetricsLogger, timer
 from rlcore.reward import RewardError, compute_rewards
 from rlcore.roles import Roles, UpdateResult
+from rlcore.rollout_queue import RolloutQueue, staleness
 from rlcore.weight_sync import sync_weights
 
 
@@ -38,6 +43,7 @@ class Samples:
     trajs: list[Trajectory]
     scores: torch.Tensor
     baseline_scores: torch.Tensor | None = None
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # what sampling it reported
 
 
 class Trainer:
@@ -48,6 +54,10 @@ class Trainer:
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon) if cfg.algorithm.kl_in_reward else None
         self.version = 0  # the engines start from the same HF checkpoint as the actor
+        # Sampling inline (off_policy_steps 0) or ahead on a producer thread; weight syncs, validation
+        # and checkpoints wait for it to go idle.
+        self.rollouts = RolloutQueue(self.sample_batch, cfg.trainer.off_policy_steps, self.loader.state_dict,
+                                     last_batch=cfg.trainer.total_steps)
 
     # ------------------------------------------------------------------------------ the iteration
     def fit(self) -> list[dict]:
@@ -74,7 +84,9 @@ class Trainer:
         cfg, m = self.cfg, {}
         temperature = cfg.rollout.temperature
         t0 = time.perf_counter()
-        s = self.sample(step, m)  # timed inside: rollout and reward
+        s = self.rollouts.take(step)  # sampled now or while earlier steps trained; timed inside
+        m.update(s.metrics)
+        m.update(staleness([t.weight_version for t in s.trajs], self.version, cfg.trainer.off_policy_steps))
         batch = build_batch(s.trajs, self.task.pad_id)
         on_policy = on_policy_update(cfg)  # the update's own forward gives the old log-probs
         with timer("logprob", m):
@@ -99,6 +111,8 @@ class Trainer:
             m.update(update)
         if on_policy:
             batch["old_logprobs"] = update.outputs["logprobs"]
+        with timer("rollout_wait", m):  # for the batch generating ahead: the engines must be idle to sync
+            self.rollouts.wait_idle()
         with timer("weight_sync", m):
             self.sync_weights(self.version + 1)
         m.update(batch_metrics(batch, s.trajs, s.scores))
@@ -106,6 +120,11 @@ class Trainer:
         return m
 
     # ---------------------------------------------------------------------------------- phases
+    def sample_batch(self, step: int) -> Samples:
+        """``sample`` with the metrics it reports kept on the batch (it may run ahead of its step)."""
+        m: dict[str, float] = {}
+        return dataclasses.replace(self.sample(step, m), metrics=m)
+
     def sample(self, step: int, m: dict) -> Samples:
         """One batch of prompts, their rollout.n responses each and their scores.
 
@@ -225,6 +244,7 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         """Greedy accuracy (mean reward) on the validation prompts with the current weights."""
         items = list(self.val_set)
+        self.rollouts.wait_idle()  # never next to a generation on the same engines
         trajs = self.rollout.generate([p.prompt_ids for p in items], n=1, temperature=0.0, top_p=1.0, top_k=-1,
                                       max_tokens=self.cfg.rollout.max_response_length)
         scores, _ = self.score(items, trajs)
@@ -233,7 +253,12 @@ class Trainer:
     # ------------------------------------------------------------------------ checkpoint state
     def state_dict(self, step: int) -> dict:
         """What the controller must restore to continue exactly after ``step``."""
-        state = {"step": step, "weight_version": self.version, "loader": self.loader.state_dict()}
+        # With batches queued ahead, the loader position from before the first of them was drawn:
+        # a resumed run draws those prompts again and regenerates them.
+        self.rollouts.wait_idle()
+        loader = self.rollouts.loader_state_before()
+        state = {"step": step, "weight_version": self.version,
+                 "loader": self.loader.state_dict() if loader is None else loader}
         if self.kl_ctrl is not None:
             state["kl_controller"] = self.kl_ctrl.state_dict()
         return state
@@ -266,6 +291,7 @@ class Trainer:
                                        self.state_dict(step), checkpoint.job_yaml(self.cfg), t.keep_last)
 
     def shutdown(self) -> None:
+        self.rollouts.close()  # the batch in flight finishes before the engines stop
         self.roles.shutdown()
 
 

@@ -244,6 +244,7 @@ def _check_ranges(cfg: JobConfig) -> None:
         "actor.loss.clip_ratio_low": cfg.actor.loss.clip_ratio_low,
         "actor.loss.clip_ratio_high": cfg.actor.loss.clip_ratio_high,
         "trainer.val_every": cfg.trainer.val_every,
+        "trainer.off_policy_steps": cfg.trainer.off_policy_steps,
         "trainer.save_every": cfg.trainer.save_every,
         "trainer.keep_last": cfg.trainer.keep_last,
     }
