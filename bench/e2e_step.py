@@ -225,7 +225,8 @@ def render(result: dict) -> str:
     median = {key: statistics.median(m[key] for m, *_ in measured) for key, _ in phases}
     # "other" per step, then its median: medians of parts do not add up to the median of a sum.
     median["other"] = statistics.median(m[TOTAL] - sum(m[k] for k, _ in phases) for m, *_ in measured)
-    rows = [(label, median[key]) for key, label in phases] + [("other", median["other"])]
+    other = "other" if median["other"] >= 0 else "other (below 0: phases overlapped, trainer.off_policy_steps)"
+    rows = [(label, median[key]) for key, label in phases] + [(other, median["other"])]
     total = statistics.median(m[TOTAL] for m, *_ in measured)
     parts = sum(max(value, 0.0) for _, value in rows)  # shares are of the summed medians
     slowest = max(rows, key=lambda r: r[1])

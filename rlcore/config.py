@@ -273,9 +273,10 @@ MOVED_KEYS = {**{f"actor.{f.name}": f"actor.loss.{f.name}" for f in dataclasses.
 
 
 def on_policy_update(cfg: JobConfig) -> bool:
-    """Whether the actor's update is the first and only use of the sampling weights on a batch (one
-    epoch, one mini-batch): then the update's own forward is the old policy and the separate
-    old-log-prob pass is skipped. Not when the advantages need the old log-probs first (the in-reward
+    """Whether the actor takes one step per batch (one epoch, one mini-batch): then the weights the
+    update starts from are the old policy, so the update's own forward gives the old log-probs and the
+    separate pass is skipped (with trainer.off_policy_steps > 0 too: the old policy is the actor's
+    current one, and rollout correction covers the gap to the sampling weights). Not when the advantages need the old log-probs first (the in-reward
     KL) or the engine's log-probs stand in for them (actor.use_rollout_logprobs)."""
     a = cfg.actor
     return (a.ppo_epochs == 1 and a.ppo_mini_batch_size in (None, cfg.data.batch_size)
