@@ -124,9 +124,11 @@ stage assets 240 bash -c "set -euo pipefail
 
 # -------------------------------------------------------------------------------------- placement
 # The gpu profile on one GPU for the actor (TP1 PP1) and one for the engine.
+# The CPU specs' stage split and shared-prompt rows are cpu-profile choices (rlx validate refuses
+# shared_prompt on the gpu profile in this release): off here.
 GPU_KEYS=(resources.device=gpu model.dtype=bfloat16 rollout.weight_transport=broadcast
-          resources.pools.actor=1 resources.pools.rollout=1 actor.tp=1 actor.pp=1
-          rollout.gpu_memory_utilization=0.4)
+          resources.pools.actor=1 resources.pools.rollout=1 actor.tp=1 actor.pp=1 actor.pp_layers=null
+          actor.shared_prompt=false rollout.gpu_memory_utilization=0.4)
 if [ "$GPUS" -ge 2 ]; then
   export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
   log "actor on GPU 0, vLLM engine on GPU 1 (a local Ray cluster per bench)"

@@ -77,8 +77,11 @@ def build_roles(cfg: JobConfig, layout: JobLayout) -> Roles:
                                                    threads=threads, shared_prompt=c.shared_prompt,
                                                    max_tokens_per_micro_batch=c.max_tokens_per_micro_batch),
                                          pools.placement("critic"))
+        # The longest sequence a job can make (the loader refuses longer prompts): vLLM sizes its
+        # batches and the KV cache it must hold for one sequence by it, not by the model's context.
+        max_model_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
         roles.rollout = RolloutPool(cfg.model.path, cfg.rollout, pools.placement("rollout"), layout.device,
-                                    layout.dtype, seed, threads=threads)
+                                    layout.dtype, seed, max_model_len=max_model_len, threads=threads)
         connect_weight_sync(roles.actor, roles.rollout, cfg.rollout.engines, cfg.rollout.bucket_mb * 1024 ** 2,
                             layout.dtype, cfg.rollout.weight_transport)
     except BaseException:

@@ -178,13 +178,14 @@ def _activation_bytes_per_token_layer(m: ModelDims, tp: int, device: str, seq_le
 
 def _train_role(m: ModelDims, role: str, lay: RoleLayout, dtype: str, device: str, seq_len: int,
                 micro_batch: int, microbatches: int, trainable: bool, distributed_optimizer: bool,
-                value_head: bool = False, scored_per_row: Optional[int] = None) -> RoleEstimate:
+                value_head: bool = False, shape: Optional["MicroBatchShape"] = None) -> RoleEstimate:
+    """``shape``: the rows one micro-batch runs (shared-prompt rows, scored positions); default
+    ``micro_batch`` rows of ``seq_len`` tokens, every position scored."""
     wbytes = BYTES[dtype]
-    tokens = micro_batch * seq_len
-    per_layer = _activation_bytes_per_token_layer(m, lay.tp, device, seq_len, wbytes) * tokens
+    shape = shape or MicroBatchShape(micro_batch, seq_len, micro_batch * seq_len)
+    per_layer = _activation_bytes_per_token_layer(m, lay.tp, device, shape.row_len, wbytes) * shape.tokens
     # fp32 logits and their softmax, at the positions that score a response token only
-    scored = micro_batch * (seq_len if scored_per_row is None else scored_per_row)
-    logits = 0.0 if value_head else 2 * scored * (m.vocab / lay.tp) * 4
+    logits = 0.0 if value_head else 2 * shape.scored * (m.vocab / lay.tp) * 4
     worst: Optional[RoleEstimate] = None
     layers = lay.stage_layers(m.layers)
     for stage in range(lay.pp):
@@ -260,14 +261,16 @@ def estimate(cfg, layout: JobLayout, model: Optional[tuple[ModelDims, str]] = No
     step_sequences, _ = _updates(cfg, cfg.actor)
     gpu_memory = cfg.resources.gpu_memory_gb * GB
     a = cfg.actor
-    response = cfg.rollout.max_response_length
+    prompt, response, n = cfg.data.max_prompt_length, cfg.rollout.max_response_length, cfg.rollout.n
     roles = [_train_role(m, "actor", layout.actor, layout.dtype, layout.device, seq_len, a.micro_batch_size,
                          max(1, step_sequences // (layout.actor.dp * a.micro_batch_size)), True,
-                         a.optim.use_distributed_optimizer, scored_per_row=response)]
+                         a.optim.use_distributed_optimizer,
+                         shape=MicroBatchShape.of(a.micro_batch_size, prompt, response, n, a.shared_prompt))]
     if layout.reference is not None:
         mb = cfg.reference.micro_batch_size or a.micro_batch_size
+        shared = a.shared_prompt if cfg.reference.shared_prompt is None else cfg.reference.shared_prompt
         roles.append(_train_role(m, "reference", layout.reference, layout.dtype, layout.device, seq_len, mb, 1,
-                                 False, False, scored_per_row=response))
+                                 False, False, shape=MicroBatchShape.of(mb, prompt, response, n, shared)))
     critic_layout = getattr(layout, "critic", None)
     if critic_layout is not None:
         c = resolved_critic(cfg)

@@ -220,7 +220,7 @@ class MegatronEngine:
             index = torch.tensor(rows, device=self.device)
             micro_batch = Batch({k: v.index_select(0, index) for k, v in on_device.items()})
             if self.variable_shapes:
-                micro_batch = trimmed(micro_batch)
+                micro_batch = trimmed(micro_batch, self.tp if self.config.sequence_parallel else 1)
             inputs = model_inputs(micro_batch, self.spec.shared_prompt)
             seq_len = inputs.tokens.shape[1]
             if self.config.sequence_parallel and seq_len % self.tp:

@@ -244,7 +244,9 @@ def token_budget_micro_batches(batch: Batch, max_tokens: int, shared_prompt: boo
     return [sorted(rows) for rows, _, _ in bins]
 
 
-def trimmed(micro_batch: Batch) -> Batch:
-    """The micro-batch cut to its own longest row (right padding beyond it is never read)."""
+def trimmed(micro_batch: Batch, multiple: int = 1) -> Batch:
+    """The micro-batch cut to its own longest row, rounded up to a ``multiple`` (sequence parallelism
+    splits the sequence over TP); right padding beyond the longest row is never read."""
     longest = int(_row_lengths(micro_batch).max())
+    longest = min(-(-longest // multiple) * multiple, micro_batch["input_ids"].shape[1])
     return Batch({k: v[:, :longest] if v.dim() >= 2 else v for k, v in micro_batch.items()})
