@@ -37,6 +37,8 @@ import statistics
 import sys
 import time
 
+from bench.memory import PeakTreePss
+
 # The table's phases in loop order: (metric key, label). Timers the loop reports beyond these (the
 # critic's, a baseline rollout's) get rows of their own, named by their key.
 PHASES = (("timing/rollout_s", "rollout (vLLM generate)"), ("timing/reward_s", "reward"),
@@ -167,6 +169,7 @@ def run_bench(spec: str, overrides: list[str], steps: int, warmup: int, validate
     hf = read_hf_config(cfg.model.path, cfg.model.hf_config)
     matmuls = measure_matmuls("cpu", "float32") if matmul and layout.device == "cpu" else []
     t0 = time.perf_counter()
+    pss = PeakTreePss().__enter__()  # this process and every one it starts (Ray, the roles), counted once
     trainer = build_trainer(cfg, layout)
     startup_s = time.perf_counter() - t0
     val = {}
@@ -195,12 +198,13 @@ def run_bench(spec: str, overrides: list[str], steps: int, warmup: int, validate
             memory["critic"] = trainer.critic.peak_memory_mb()
         memory["rollout"] = trainer.rollout.peak_memory_mb()
     finally:
+        pss.__exit__(None, None, None)
         trainer.shutdown()
         ray.shutdown()
     if matmul and layout.device == "gpu":  # the GPU is free again
         matmuls = measure_matmuls("gpu", layout.dtype)
     return dict(spec=spec, overrides=overrides, layout=layout, cfg=cfg, startup_s=startup_s,
-                warmup=warmup, measured=measured, memory=memory, matmuls=matmuls,
+                warmup=warmup, measured=measured, memory=memory, peak_pss_mb=pss.mb, matmuls=matmuls,
                 params=model_params(hf), **val)
 
 
@@ -270,6 +274,8 @@ def render(result: dict) -> str:
         lines.append(f"| {role} | {len(values)} | {', '.join(f'{v:.0f}' for v in values)} |")
     lines.append(f"| **all** | {sum(len(v) for v in result['memory'].values())} | "
                  f"**{sum(map(sum, result['memory'].values())):.0f}** |")
+    lines.append(f"| **counted once** (peak summed PSS of this process's tree: the roles and Ray's own "
+                 f"processes; shared pages once) | | **{result['peak_pss_mb']:.0f}** |")
     diffs = [m["rollout/logprob_diff_max"] for m, *_ in measured if "rollout/logprob_diff_max" in m]
     if diffs:
         lines += ["", f"Largest engine/trainer log-prob gap over the measured steps: {max(diffs):.2g}."]
@@ -282,7 +288,8 @@ def write_raw(result: dict, path: str) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump({"spec": result["spec"], "overrides": result["overrides"], "startup_s": result["startup_s"],
-                   "memory_mb": result["memory"], "matmuls": result["matmuls"], "params": result["params"],
+                   "memory_mb": result["memory"], "peak_pss_mb": result["peak_pss_mb"], "matmuls": result["matmuls"],
+                   "params": result["params"],
                    **{k: result[k] for k in ("val_before", "val_after", "val_questions") if k in result},
                    "steps": [{"metrics": m, "generated_tokens": g, "trained_tokens": t, "update_flops": fl}
                              for m, g, t, fl in result["measured"]]},

@@ -37,6 +37,8 @@ import subprocess
 import sys
 import time
 
+from bench.memory import PeakTreePss
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # actor.loss_agg_mode -> TRL's loss_type with the same normalisation over the batch.
@@ -120,14 +122,21 @@ def run_trl(job: dict, python: str, out_dir: str, timeout_s: float) -> dict:
                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                HF_DATASETS_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
     t0 = time.perf_counter()
-    proc = subprocess.run([python, os.path.join(ROOT, "bench", "trl_grpo.py"), spec_path, result_path],
-                          env=env, timeout=timeout_s, stdout=sys.stderr)  # TRL prints its logs on stdout
+    proc = subprocess.Popen([python, os.path.join(ROOT, "bench", "trl_grpo.py"), spec_path, result_path],
+                            env=env, stdout=sys.stderr)  # TRL prints its logs on stdout
+    with PeakTreePss(proc.pid) as pss:
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
     if proc.returncode != 0 or not os.path.exists(result_path):
         raise RuntimeError(f"the TRL run ({python} bench/trl_grpo.py {spec_path}) exited with {proc.returncode}; "
                            "its output is above")
     with open(result_path) as f:
         result = json.load(f)
     result["wall_s"] = time.perf_counter() - t0
+    result["peak_pss_mb"] = pss.mb
     return result
 
 
@@ -156,6 +165,8 @@ def render(spec: str, overrides: list[str], cfg, steps: int, skip: int, trl: dic
         f"| median step, s | {trl_step:.2f} | {our_step:.2f} | **{our_step / trl_step:.2f}** |",
         f"| peak memory, MiB (ours: summed over {processes} processes) | {trl_mem:.0f} | {our_mem:.0f} | "
         f"{our_mem / trl_mem:.2f} |",
+        f"| peak memory counted once, MiB (summed PSS of the process tree; ours: Ray's own processes too) | "
+        f"{trl['peak_pss_mb']:.0f} | {ours['peak_pss_mb']:.0f} | {ours['peak_pss_mb'] / trl['peak_pss_mb']:.2f} |",
         f"| held-out greedy accuracy, step 0 ({trl['val_questions']} questions) | {trl['val_before']:.4f} | "
         f"{ours['val_before']:.4f} | |",
         f"| held-out greedy accuracy, after step {steps} | {trl['val_after']:.4f} | {ours['val_after']:.4f} | "
@@ -227,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(out, "ours_result.json"), "w") as f:
         json.dump({"step_s": [m["timing/step_s"] for m, *_ in ours["measured"]],
                    "metrics": [m for m, *_ in ours["measured"]], "memory_mb": ours["memory"],
+                   "peak_pss_mb": ours["peak_pss_mb"],
                    "val_before": ours["val_before"], "val_after": ours["val_after"],
                    "startup_s": ours["startup_s"]}, f, indent=1)
     with open(os.path.join(out, "table.md"), "w") as f:

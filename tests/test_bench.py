@@ -89,3 +89,25 @@ def test_executed_rows_count_a_shared_prompt_once():
     batch = build_batch(trajs, pad_id=0)
     assert executed_rows(batch, shared_prompt=False) == [(5, 2), (4, 1), (5, 3)]
     assert executed_rows(batch, shared_prompt=True) == [(3 + 2 + 1, 3), (2 + 3, 3)]
+
+
+def test_tree_pss_counts_a_childs_memory_once():
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from bench.memory import PeakTreePss, tree_pss_mb
+
+    before = tree_pss_mb(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "import time; x = bytearray(80 * 2**20); x[::4096] = b'1' * "
+                              "len(x[::4096]); print('ok', flush=True); time.sleep(30)"], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout.readline().strip() == b"ok"
+        with PeakTreePss(interval_s=0.05) as peak:
+            time.sleep(0.3)
+        assert tree_pss_mb(os.getpid()) - before > 70  # the child's 80 MB, counted under its parent
+        assert peak.mb >= tree_pss_mb(child.pid) > 70
+    finally:
+        child.kill()
+        child.wait()
