@@ -6,19 +6,15 @@ DAPO specs run as `rlx train`. That `rlx train` turns such a failure into exit 1
 tests/test_e2e.py's (a reward function that raises: the same handler)."""
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 
 from launch.assets import make_addition_data, make_tiny_model
 from rlcore.job import load_job
 from rlcore.validate import validate
+from tests.runs import train_cli
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.e2e
 
 
@@ -29,13 +25,7 @@ def tiny_assets(tmp_path_factory):
 
 
 def _train(spec: str, tmp_path, model: str, data: str, *overrides: str) -> list[dict]:
-    run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "launch.cli", "train", spec, f"model.path={model}",
-           f"data.train_files=[{data}]", f"data.val_files=[{data}]", f"trainer.run_dir={run_dir}",
-           "trainer.val_every=0", *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return train_cli(spec, tmp_path / "run", model, data, *overrides)
 
 
 def test_ppo_quickstart_steps_train_the_critic(tmp_path, tiny_assets):

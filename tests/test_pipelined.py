@@ -6,17 +6,14 @@ tests/test_rollout_queue.py's, without Ray."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pyarrow.parquet as pq
 import pytest
 
 from launch.assets import make_addition_data, make_tiny_model
+from tests.runs import train_cli
 from rlcore.checkpoint import CONTROLLER, step_dir_name
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.e2e
 
 
@@ -27,12 +24,7 @@ def tiny_assets(tmp_path_factory):
 
 
 def _train(spec: str, run_dir, model: str, data: str, *overrides: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "launch.cli", "train", spec, f"model.path={model}",
-           f"data.train_files=[{data}]", f"data.val_files=[{data}]", f"trainer.run_dir={run_dir}",
-           "trainer.val_every=0", "trainer.tensorboard=false", *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return train_cli(spec, run_dir, model, data, "trainer.tensorboard=false", *overrides)
 
 
 def _mean(rows: list[dict], key: str) -> float:
