@@ -37,13 +37,21 @@ def reference_shape(cfg: JobConfig) -> dict:
                                             else r.max_tokens_per_micro_batch))
 
 
-def job_threads(cfg: JobConfig, layout: JobLayout) -> int:
-    """The math threads of every compute process of the job: a node's cores (resources.num_cpus, else
-    this machine's) shared by the processes placed on a node (all pools, all nodes alike)."""
-    roles = [r for r in (layout.actor, layout.reference, layout.critic) if r is not None]
-    processes = sum(r.tp * r.pp * r.dp for r in roles) + layout.rollout.engines * layout.rollout.tp
-    per_node = -(-processes // max(1, cfg.resources.nodes))
-    return math_threads(cfg.resources.num_cpus or os.cpu_count() or 1, per_node)
+def job_threads(cfg: JobConfig, layout: JobLayout) -> dict[str, int]:
+    """Each role's math threads per process: a node's cores (resources.num_cpus, else this machine's)
+    shared by the processes that compute at the same time on a node. The synchronous loop
+    (trainer.off_policy_steps 0) runs one phase at a time, so a role's ranks share the cores among
+    themselves only (the engines generate while the Megatron ranks wait, and the reverse); with
+    sampling ahead, the engines and the Megatron ranks compute at once and share them all."""
+    cores = cfg.resources.num_cpus or os.cpu_count() or 1
+    nodes = max(1, cfg.resources.nodes)
+    ranks = {name: r.tp * r.pp * r.dp for name, r in (("actor", layout.actor), ("reference", layout.reference),
+                                                       ("critic", layout.critic)) if r is not None}
+    ranks["rollout"] = layout.rollout.engines * layout.rollout.tp
+    if cfg.trainer.off_policy_steps > 0:
+        everyone = math_threads(cores, -(-sum(ranks.values()) // nodes))
+        return {name: everyone for name in ranks}
+    return {name: math_threads(cores, -(-n // nodes)) for name, n in ranks.items()}
 
 
 def build_roles(cfg: JobConfig, layout: JobLayout) -> Roles:
@@ -63,25 +71,25 @@ def build_roles(cfg: JobConfig, layout: JobLayout) -> Roles:
     threads = job_threads(cfg, layout)
     try:
         roles.actor = MegatronGroup(role_spec("actor", layout.actor, layout, cfg.model.path, a.micro_batch_size,
-                                              seed, optim=a.optim, threads=threads, shared_prompt=a.shared_prompt,
+                                              seed, optim=a.optim, threads=threads["actor"], shared_prompt=a.shared_prompt,
                                               max_tokens_per_micro_batch=a.max_tokens_per_micro_batch),
                                     pools.placement("actor"))
         if layout.reference:  # only when a KL term needs it
             roles.reference = MegatronGroup(role_spec("reference", layout.reference, layout, cfg.model.path,
                                                       cfg.reference.micro_batch_size or a.micro_batch_size, seed,
-                                                      threads=threads, **reference_shape(cfg)),
+                                                      threads=threads["reference"], **reference_shape(cfg)),
                                             pools.placement("reference"))
         if layout.critic:  # PPO's value model: only when the advantage estimator needs values
             roles.critic = MegatronGroup(role_spec("critic", layout.critic, layout, c.model_path or cfg.model.path,
                                                    c.micro_batch_size, seed, head="value", optim=c.optim,
-                                                   threads=threads, shared_prompt=c.shared_prompt,
+                                                   threads=threads["critic"], shared_prompt=c.shared_prompt,
                                                    max_tokens_per_micro_batch=c.max_tokens_per_micro_batch),
                                          pools.placement("critic"))
         # The longest sequence a job can make (the loader refuses longer prompts): vLLM sizes its
         # batches and the KV cache it must hold for one sequence by it, not by the model's context.
         max_model_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
         roles.rollout = RolloutPool(cfg.model.path, cfg.rollout, pools.placement("rollout"), layout.device,
-                                    layout.dtype, seed, max_model_len=max_model_len, threads=threads)
+                                    layout.dtype, seed, max_model_len=max_model_len, threads=threads["rollout"])
         connect_weight_sync(roles.actor, roles.rollout, cfg.rollout.engines, cfg.rollout.bucket_mb * 1024 ** 2,
                             layout.dtype, cfg.rollout.weight_transport)
     except BaseException:

@@ -724,11 +724,16 @@ def suggest_cpu(cfg, layout: JobLayout, top: int = 10, constants: Optional[dict]
     step_sequences, optimizer_steps = _updates(cfg, cfg.actor)
     batch_sequences = cfg.data.batch_size * cfg.rollout.n
     pool = layout.actor.gpus
-    roles = [r for r in (layout.actor, layout.reference, getattr(layout, "critic", None)) if r is not None]
-    processes = sum(r.tp * r.pp * r.dp for r in roles) + layout.rollout.engines * layout.rollout.tp
+    # The actor's ranks' threads, as launch/compose.py's job_threads gives them: the synchronous loop
+    # runs one phase at a time, so the actor's ranks (one per GPU of its pool) share the cores alone;
+    # with sampling ahead, every role's ranks and the engines share them.
+    processes = pool
+    if cfg.trainer.off_policy_steps > 0:
+        roles = [r for r in (layout.actor, layout.reference, getattr(layout, "critic", None)) if r is not None]
+        processes = sum(r.tp * r.pp * r.dp for r in roles) + layout.rollout.engines * layout.rollout.tp
     threads = math_threads(cores, processes)
-    # While the actor computes, its ranks hold the cores (the loop runs one phase at a time): each
-    # runs its threads, or its fraction of the cores when there are more ranks than cores.
+    # While the actor computes, its ranks hold the cores: each runs its threads, or its fraction of
+    # the cores when there are more ranks than cores.
     share = min(threads, cores / pool)
     reference_inherits = layout.reference is not None and cfg.reference.tp is None and cfg.reference.pp is None
     on_policy = on_policy_update(cfg) or cfg.actor.use_rollout_logprobs

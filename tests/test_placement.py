@@ -30,9 +30,18 @@ def test_job_threads_count_every_pool_and_node(tmp_path):
                        device="cpu", total_gpus=4, dtype="float32")
     cfg = JobConfig()
     cfg.resources.num_cpus = 12
-    assert job_threads(cfg, layout) == 2  # 2 actor + 2 reference ranks + 2 vLLM workers on 12 cores
+    # The synchronous loop runs one phase at a time: each role's ranks share the 12 cores alone.
+    assert job_threads(cfg, layout) == {"actor": 6, "reference": 6, "rollout": 6}
+    cfg.trainer.off_policy_steps = 1  # sampling ahead: 2 actor + 2 reference ranks + 2 vLLM workers at once
+    assert job_threads(cfg, layout) == {"actor": 2, "reference": 2, "rollout": 2}
     cfg.resources.nodes = 2
-    assert job_threads(cfg, layout) == 4  # 3 processes per node
+    assert job_threads(cfg, layout) == {"actor": 4, "reference": 4, "rollout": 4}  # 3 processes per node
+    cfg.trainer.off_policy_steps, cfg.resources.nodes = 0, 1
+    cfg.resources.num_cpus = 2  # 2 cores: the PP2 ranks and the engine's 2 TP workers 1 thread each
+    assert job_threads(cfg, layout) == {"actor": 1, "reference": 1, "rollout": 1}
+    one_worker = JobLayout(actor=actor, reference=None, rollout=RolloutLayout("rollout", 1, engines=1, tp=1),
+                           device="cpu", total_gpus=3, dtype="float32")
+    assert job_threads(cfg, one_worker) == {"actor": 1, "rollout": 2}  # the SmolLM2 job: the engine gets both
 
 
 def test_vllm_cpu_threads_bind_gives_each_worker_its_own_cores():
