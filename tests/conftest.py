@@ -37,3 +37,12 @@ def llama_tied(tmp_path_factory):
     from launch.assets import make_tiny_model
 
     return make_tiny_model(str(tmp_path_factory.mktemp("llama-tied")), arch="llama", tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_assets(tmp_path_factory):
+    """(model, data): the quickstart's tiny Qwen2 and its addition parquet, built for one module."""
+    from launch.assets import make_addition_data, make_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny-assets")
+    return make_tiny_model(str(root / "model")), make_addition_data(str(root / "data"))

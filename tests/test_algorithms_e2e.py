@@ -10,18 +10,11 @@ import math
 
 import pytest
 
-from launch.assets import make_addition_data, make_tiny_model
 from rlcore.job import load_job
 from rlcore.validate import validate
 from tests.runs import train_cli
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture(scope="module")
-def tiny_assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("algos")
-    return make_tiny_model(str(root / "model")), make_addition_data(str(root / "data"))
 
 
 def _train(spec: str, tmp_path, model: str, data: str, *overrides: str) -> list[dict]:

@@ -77,6 +77,14 @@ def update_then_logprobs(group, batch):
     return group.forward(batch)["logprobs"]
 
 
+def load_one_process_checkpoint(group, batch, checkpoints) -> dict:
+    """Loads TP1PP1's checkpoint (model and optimizer) into ``group``: the ``loaded`` log-probs and
+    weights, and the log-probs after a ``second_update`` from there."""
+    group.load_checkpoint(str(checkpoints / "tp1pp1"), with_optimizer=True)
+    loaded = group.forward(batch)["logprobs"], group.hf_state_dict()
+    return {"loaded": loaded, "second_update": update_then_logprobs(group, batch)}
+
+
 def run_layout(model_path, placement, tp, pp, dp, batch):
     group = make_group(model_path, placement, tp, pp, dp)
     try:
@@ -186,9 +194,7 @@ def uneven_run(model_path, placement, one_process, checkpoints):
                                        if t.name.startswith("model.layers.")})
                                for stage_plan in group.weight_sync_plans(1 << 20, "float32")]
         out["update"] = update_and_measure(group, Batch(batch))
-        group.load_checkpoint(str(checkpoints / "tp1pp1"), with_optimizer=True)
-        out["loaded"] = group.forward(batch)["logprobs"], group.hf_state_dict()
-        out["second_update"] = update_then_logprobs(group, batch)
+        out.update(load_one_process_checkpoint(group, batch, checkpoints))
     finally:
         group.shutdown()
     return out
@@ -217,9 +223,7 @@ def pp2vpp2_run(model_path, placement, one_process, checkpoints):
     try:
         out = {"update": update_and_measure(group, Batch(batch))}
         group.save_checkpoint(str(checkpoints / "pp2vpp2"))
-        group.load_checkpoint(str(checkpoints / "tp1pp1"), with_optimizer=True)
-        out["loaded"] = group.forward(batch)["logprobs"], group.hf_state_dict()
-        out["second_update"] = update_then_logprobs(group, batch)
+        out.update(load_one_process_checkpoint(group, batch, checkpoints))
     finally:
         group.shutdown()
     return out

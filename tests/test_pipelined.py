@@ -10,17 +10,10 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from launch.assets import make_addition_data, make_tiny_model
 from tests.runs import train_cli
 from rlcore.checkpoint import CONTROLLER, step_dir_name
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture(scope="module")
-def tiny_assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pipelined")
-    return make_tiny_model(str(root / "model")), make_addition_data(str(root / "data"))
 
 
 def _train(spec: str, run_dir, model: str, data: str, *overrides: str) -> list[dict]:
