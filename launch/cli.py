@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from launch.compose import run
+    from rlcore.nonfinite import NonFiniteError
     from rlcore.trainer import SamplingError
 
     os.makedirs(cfg.trainer.run_dir, exist_ok=True)
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         f.write(_to_yaml(cfg))
     try:
         history = run(cfg, layout)
-    except (DataError, RewardError, CheckpointError, SamplingError) as e:
+    except (DataError, RewardError, CheckpointError, SamplingError, NonFiniteError) as e:
         # The user's data, reward function or checkpoint (or a batch dynamic sampling could not
         # fill), not a bug here: one line, no traceback. Every step
         # finished before it is already in metrics.jsonl.
