@@ -162,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     # The resolved spec next to the metrics: what actually ran, overrides included.
     with open(os.path.join(cfg.trainer.run_dir, "job.yaml"), "w") as f:
         f.write(_to_yaml(cfg))
+    from rlcore.worker_logs import open_run_logs
+
+    open_run_logs(cfg.trainer.run_dir)  # every process's full output under run_dir/logs/, a quiet console
     try:
         history = run(cfg, layout)
     except (DataError, RewardError, CheckpointError, SamplingError, NonFiniteError) as e:

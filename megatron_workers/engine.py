@@ -25,6 +25,7 @@ from functools import partial
 
 import torch
 
+from rlcore import worker_logs
 from rlcore.batch import Batch
 from rlcore.roles import RoleSpec
 
@@ -49,6 +50,9 @@ class MegatronEngine:
     must run on every rank of the group at once."""
 
     def __init__(self, spec: RoleSpec, rank: int):
+        # First: this rank's output (megatron's, torch's, gloo's) into run_dir/logs/; errors and
+        # unexpected warnings still reach the console (rlcore/worker_logs.py).
+        worker_logs.to_console(worker_logs.capture_worker_output(f"{spec.name}_rank{rank}"), "ray")
         if spec.micro_batch_size < 1:
             raise ValueError(f"{spec.name}: micro_batch_size must be >= 1, got {spec.micro_batch_size}")
         # The layout itself (TP/PP/VPP against the model) is rlcore.layout's check, which the group
