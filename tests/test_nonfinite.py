@@ -13,7 +13,9 @@ import sys
 import pytest
 import torch
 
-from rlcore.nonfinite import POISON_ENV, first_nonfinite
+from rlcore.job import ConfigError, load_job
+from rlcore.nonfinite import POISON_ENV, NonFiniteError, NonFiniteGuard, first_nonfinite
+from rlcore.validate import validate
 from tests.runs import REPO
 
 SPEC = os.path.join(REPO, "yaml_configs", "quickstart_cpu.yaml")
@@ -25,6 +27,36 @@ def test_first_nonfinite_names_the_loss_term_first():
     assert first_nonfinite({"actor/loss": 0.1, "actor/pg_loss": 0.1, "actor/grad_norm": float("inf")}, "actor") == \
         "actor/grad_norm"
     assert first_nonfinite({"actor/loss": 0.1, "actor/grad_norm": 1.0}, "actor") is None
+
+
+def test_the_policy_is_checked_before_start():
+    cfg = load_job(SPEC, ["trainer.on_nonfinite=retry"])
+    with pytest.raises(ConfigError, match=r"trainer.on_nonfinite='retry' is not one of: stop, skip"):
+        validate(cfg)
+
+
+def test_the_guard_on_a_critic_update(tmp_path):
+    """The controller's side alone, for the critic (the e2e tests below poison the actor): a skipped
+    update is dumped, then counted (skip) or named in one sentence (stop); a finite one passes."""
+    actor, critic = object(), object()
+    batch = {"returns": torch.full((2, 3), float("inf")), "input_ids": torch.ones(2, 3, dtype=torch.long)}
+    bad = {"critic/loss": float("inf"), "critic/vf_loss": float("inf"), "critic/grad_norm": float("nan"),
+           "critic/update_skipped": 1.0}
+    skip = NonFiniteGuard("skip", str(tmp_path / "skip"), {"actor": actor, "critic": critic})
+    skip.start(4)
+    skip.check(critic, batch, {"critic/loss": 0.1, "critic/grad_norm": 1.0, "critic/update_skipped": 0.0})
+    skip.check(critic, batch, bad)
+    skip.check(critic, batch, bad)  # a second mini-batch of the same step: its own file
+    assert skip.metrics() == {"actor/skipped_steps": 0.0, "critic/skipped_steps": 2.0}
+    assert sorted(p.name for p in (tmp_path / "skip" / "debug").iterdir()) == ["step_4_critic.pt",
+                                                                                 "step_4_critic_2.pt"]
+    stop = NonFiniteGuard("stop", str(tmp_path / "stop"), {"actor": actor, "critic": critic})
+    stop.start(7)
+    with pytest.raises(NonFiniteError, match=r"^step 7: critic update: critic/vf_loss is inf \(the update was not "
+                                             r"applied; its batch is in .*step_7_critic\.pt; trainer\.on_nonfinite=stop"):
+        stop.check(critic, batch, bad)
+    dump = torch.load(tmp_path / "stop" / "debug" / "step_7_critic.pt", weights_only=True)
+    assert dump["first_bad"] == "critic/vf_loss" and torch.isinf(dump["batch"]["returns"]).all()
 
 
 def poisoned_run(run_dir, tiny_assets, policy: str) -> subprocess.CompletedProcess:
