@@ -155,15 +155,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from launch.compose import run
+    from rlcore.nonfinite import NonFiniteError
     from rlcore.trainer import SamplingError
 
     os.makedirs(cfg.trainer.run_dir, exist_ok=True)
     # The resolved spec next to the metrics: what actually ran, overrides included.
     with open(os.path.join(cfg.trainer.run_dir, "job.yaml"), "w") as f:
         f.write(_to_yaml(cfg))
+    from rlcore.worker_logs import open_run_logs
+
+    open_run_logs(cfg.trainer.run_dir)  # every process's full output under run_dir/logs/, a quiet console
     try:
         history = run(cfg, layout)
-    except (DataError, RewardError, CheckpointError, SamplingError) as e:
+    except (DataError, RewardError, CheckpointError, SamplingError, NonFiniteError) as e:
         # The user's data, reward function or checkpoint (or a batch dynamic sampling could not
         # fill), not a bug here: one line, no traceback. Every step
         # finished before it is already in metrics.jsonl.

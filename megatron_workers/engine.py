@@ -25,6 +25,7 @@ from functools import partial
 
 import torch
 
+from rlcore import worker_logs
 from rlcore.batch import Batch
 from rlcore.roles import RoleSpec
 
@@ -49,6 +50,9 @@ class MegatronEngine:
     must run on every rank of the group at once."""
 
     def __init__(self, spec: RoleSpec, rank: int):
+        # First: this rank's output (megatron's, torch's, gloo's) into run_dir/logs/; errors and
+        # unexpected warnings still reach the console (rlcore/worker_logs.py).
+        worker_logs.to_console(worker_logs.capture_worker_output(f"{spec.name}_rank{rank}"), "ray")
         if spec.micro_batch_size < 1:
             raise ValueError(f"{spec.name}: micro_batch_size must be >= 1, got {spec.micro_batch_size}")
         # The layout itself (TP/PP/VPP against the model) is rlcore.layout's check, which the group
@@ -324,20 +328,45 @@ class MegatronEngine:
             ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self._run_schedule(micro_batches, loss_func, forward_only=False)
-        success, grad_norm, _ = self.optimizer.step()
-        if not success:
-            raise RuntimeError(f"{self.role} update: the optimizer skipped the step (inf/nan in gradients)")
-        grad_norm = float(grad_norm)
-        if not math.isfinite(grad_norm):
-            raise RuntimeError(f"{self.role} update: the gradient norm is {grad_norm}")
-        self.lr_scheduler.step(increment=1)
+        grad_norm, finite = self._check_finite(outputs)
+        if finite:
+            self.optimizer.step()  # recomputes the same norm to clip with it
+            self.lr_scheduler.step(increment=1)
+        else:
+            # Not applied: weights, Adam's moments and step count, and the lr schedule stay as they
+            # were (the controller's trainer.on_nonfinite decides whether the run goes on).
+            for ddp in self.ddp_chunks:
+                ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
         if not self._reports:
             return None
         sums = {k: float(sum(o["metrics"][k] for o in outputs)) for k in outputs[0]["metrics"]}
         b, s = batch["input_ids"].shape
         kept = {k: self._reassemble([o["kept"][k] for o in outputs], micro_batches, b, s).cpu()
                 for k in outputs[0]["kept"]}
-        return {"sums": sums, "grad_norm": grad_norm, "outputs": kept}
+        return {"sums": sums, "grad_norm": grad_norm, "outputs": kept, "skipped": not finite}
+
+    def _check_finite(self, outputs: list) -> tuple[float, bool]:
+        """The global gradient norm of the backward just run, and whether it and every reporting
+        rank's loss are finite (the same answer on every rank of the role).
+
+        Checked BEFORE megatron's optimizer step, because megatron-core 0.16.1 does not skip a
+        non-finite step in fp32 or bf16: only fp16's loss scaler looks for inf/nan
+        (optimizer/optimizer.py:524-557; FP32Optimizer.prepare_grads returns False). With a NaN norm
+        the clip coefficient is NaN, ``clip_coeff < 1.0`` is False (clip_grads.py:172-173) and Adam
+        writes NaN into every weight; with an inf norm the clip zeroes the gradients and Adam still
+        moves the weights by its moments and counts the step. ``prepare_grads`` only copies the
+        gradients into the optimizer's params (fp32/bf16 have no loss scaler to update), so the
+        step's own call repeats it harmlessly."""
+        import torch.distributed as dist
+
+        self.optimizer.prepare_grads()
+        grad_norm = float(self.optimizer.get_grad_norm())  # all-reduced over the model-parallel ranks
+        loss_key = f"{self.role}/loss"
+        bad_loss = any(not math.isfinite(float(o["metrics"][loss_key])) for o in outputs) if self._reports else False
+        flag = torch.tensor([float(bad_loss or not math.isfinite(grad_norm))], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # the role's world: every rank skips or none does
+        return grad_norm, flag.item() == 0.0
 
     # ------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str) -> None:

@@ -90,6 +90,8 @@ class MegatronGroup:
         parts = self._run_sharded("update", batch, loss_cfg, head_args)
         metrics = {k: sum(p["sums"][k] for p in parts) for k in parts[0]["sums"]}
         metrics[f"{self.role}/grad_norm"] = parts[0]["grad_norm"]  # the global norm: the same on every rank
+        # A non-finite loss or gradient norm: the engines did not apply the step (the same on every rank).
+        metrics[f"{self.role}/update_skipped"] = float(parts[0]["skipped"])
         outputs = {k: torch.cat([p["outputs"][k] for p in parts]) for k in parts[0]["outputs"]}
         return UpdateResult(metrics, outputs)
 

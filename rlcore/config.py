@@ -250,6 +250,11 @@ class TrainerConfig:
     # auto is safe as the default: nothing is saved unless save_every > 0.
     resume: str = "auto"
     checkpoint_dir: Optional[str] = None  # default: <run_dir>/checkpoints
+    # An actor/critic update with a NaN/inf loss or gradient norm is never applied (rlcore/nonfinite.py);
+    # stop: end the run with one sentence naming the step, role and first bad metric (exit 1); skip:
+    # drop that optimizer step (weights, optimizer state and lr schedule unchanged), count it in
+    # <role>/skipped_steps and go on. Either way the batch is saved as <run_dir>/debug/step_<k>_<role>.pt.
+    on_nonfinite: str = "stop"
 
 
 @dataclass

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from rlcore import worker_logs
+
 # A worker process starts with one math thread; the Megatron engines and the vLLM engines then take
 # their share of the cores (``math_threads``). More threads than cores were 5-100x slower on a shared
 # 2-core box whenever another process held a core (docs/cpu-profile.md).
@@ -23,7 +25,8 @@ def math_threads(cores: int, processes: int) -> int:
         raise ValueError(f"math_threads: cores={cores} and processes={processes} must be >= 1")
     return max(1, cores // processes)
 # vLLM logs dozens of INFO lines per engine start and per weight reload; the console is for the
-# training progress. Set VLLM_LOGGING_LEVEL=INFO in the environment to see them again.
+# training progress. Set VLLM_LOGGING_LEVEL=INFO in the environment to see them again. A run
+# (rlcore/worker_logs.py) keeps them at INFO in run_dir/logs/, off the console.
 LOG_ENV = {"VLLM_LOGGING_LEVEL": "WARNING"}
 
 
@@ -36,7 +39,7 @@ def start_ray(device: str, total_gpus: int, address: str | None = None, num_cpus
         return
     # Ray actors must import this repository's packages wherever they run.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: os.environ.get(k, v) for k, v in LOG_ENV.items()}
+    env = {k: os.environ.get(k, v) for k, v in worker_logs.log_env(LOG_ENV).items()}
     env.update(WORKER_ENV, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     kwargs = dict(runtime_env={"env_vars": env}, include_dashboard=False, log_to_driver=True)
     if address:
@@ -52,6 +55,7 @@ def start_ray(device: str, total_gpus: int, address: str | None = None, num_cpus
                  **kwargs)
     else:
         ray.init(num_cpus=num_cpus, **kwargs)
+    worker_logs.link_ray_session()  # run_dir/logs/ray: the session's own logs, next to the workers'
 
 
 @dataclass

@@ -24,6 +24,7 @@ from rlcore.batch import Batch, Trajectory, build_batch
 from rlcore.config import JobConfig, on_policy_update, resolved_critic
 from rlcore.data import PromptItem, Task
 from rlcore.metrics import MetricsLogger, timer
+from rlcore.nonfinite import NonFiniteGuard
 from rlcore.reward import RewardError, compute_rewards
 from rlcore.roles import Roles, UpdateResult
 from rlcore.rollout_queue import RolloutQueue, staleness
@@ -54,6 +55,7 @@ class Trainer:
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon) if cfg.algorithm.kl_in_reward else None
         self.version = 0  # the engines start from the same HF checkpoint as the actor
+        self.nonfinite = NonFiniteGuard(cfg.trainer.on_nonfinite, cfg.trainer.run_dir, roles.trainable())
         # Sampling inline (off_policy_steps 0) or ahead on a producer thread; weight syncs, validation
         # and checkpoints wait for it to go idle.
         self.rollouts = RolloutQueue(self.sample_batch, cfg.trainer.off_policy_steps, self.loader.state_dict,
@@ -84,6 +86,7 @@ class Trainer:
         cfg, m = self.cfg, {}
         temperature = cfg.rollout.temperature
         t0 = time.perf_counter()
+        self.nonfinite.start(step)
         s = self.rollouts.take(step)  # sampled now or while earlier steps trained; timed inside
         m.update(s.metrics)
         m.update(staleness([t.weight_version for t in s.trajs], self.version, cfg.trainer.off_policy_steps))
@@ -116,6 +119,7 @@ class Trainer:
         with timer("weight_sync", m):
             self.sync_weights(self.version + 1)
         m.update(batch_metrics(batch, s.trajs, s.scores))
+        m.update(self.nonfinite.metrics())
         m.update({"weights/version": float(self.version), "timing/step_s": time.perf_counter() - t0})
         return m
 
@@ -221,7 +225,9 @@ class Trainer:
             for mini in batch.split(rows):
                 mini["loss_weights"] = loss_weights(mini["response_mask"], role_cfg.loss_agg_mode,
                                                     self.cfg.rollout.max_response_length)
+                self.nonfinite.poison_for_test(role, mini)
                 result = role.update(mini, role_cfg.loss, **head_args)
+                self.nonfinite.check(role, mini, result)  # trainer.on_nonfinite: stop here, or count a skip
                 for k, v in result.items():
                     totals[k] = totals.get(k, 0.0) + v
                 n_steps += 1

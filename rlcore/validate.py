@@ -14,6 +14,7 @@ from rlcore import algos
 from rlcore.config import JobConfig, resolved_critic
 from rlcore.hf_config import HFModelSpec, read_hf_config
 from rlcore.job import ConfigError
+from rlcore.nonfinite import POLICIES as NONFINITE_POLICIES
 from rlcore.layout import (INHERITED, RoleLayout, RolloutLayout, check_micro_batches, check_model_split,
                            check_rollout_split)
 from rlcore.reward import RewardError, load_reward_fn
@@ -399,7 +400,8 @@ def _check_names(cfg: JobConfig) -> None:
                ("algorithm.kl_ctrl.type", alg.kl_ctrl.type, algos.KL_CONTROLLERS),
                ("model.dtype", cfg.model.dtype, DTYPES),
                ("rollout.weight_transport", cfg.rollout.weight_transport, TRANSPORTS),
-               ("resources.device", cfg.resources.device, DEVICES)]
+               ("resources.device", cfg.resources.device, DEVICES),
+               ("trainer.on_nonfinite", cfg.trainer.on_nonfinite, NONFINITE_POLICIES)]
     if cfg.critic.loss_agg_mode is not None:  # None: the actor's
         choices.append(("critic.loss_agg_mode", cfg.critic.loss_agg_mode, algos.AGG_MODES))
     for key, value, valid in choices:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import time
 
+from rlcore import worker_logs
 from rlcore.batch import Trajectory
 from rlcore.config import RolloutConfig
 from rlcore.weight_sync import Bucket, StageLink
@@ -21,6 +22,23 @@ PROFILES = ("cpu", "gpu")
 WORKER_EXTENSION = "rollout.worker_extension.WeightSyncWorkerExtension"
 BACKENDS = {"cpu": "gloo", "gpu": "nccl"}
 PLAIN_GEMM_ENV = "RLX_VLLM_CPU_PLAIN_GEMM"  # see rollout.worker_extension
+# vLLM's start-up warnings that describe this set-up, not a problem: they go to the engine's log in
+# run_dir/logs/, not the console (rlcore/worker_logs.py). Exact messages of vllm-cpu 0.32.0.
+HARMLESS_WARNINGS = (
+    r"^The global random seed is set to \d+\. Since VLLM_ENABLE_V1_MULTIPROCESSING is set to False",  # ours
+    r"^Enforce eager set, disabling torch\.compile",  # rollout.enforce_eager
+    r"^Inductor compilation was disabled by user settings",  # follows from enforce_eager
+    r"^Triton is not installed\. triton-cpu is expected on x86 CPUs\.",  # vllm-cpu runs without it
+    r"^Triton is installed, but doesn't include CPU backend\. Disabling Triton\.",  # the same, at import
+    r"^Triton is installed but 0 active driver\(s\) found",
+    r"^Triton not installed or not compatible; certain GPU-related functions will not be available\.",
+    r"^Reset SSM cache type to float32",  # no SSM layers in these models
+    r"^Model Runner V2 requires Triton; using the V1 model runner instead\.",
+    r"^(libtcmalloc|libiomp) is not found in LD_PRELOAD\.",  # speed advice for serving; not a fault
+    r"^OMP_NUM_THREADS=\d+ is set; leaving Torch threads at \d+",  # our share of the cores, on purpose
+    r"^CPU backend doesn't allow to use `torch\.set_num_threads` after the thread binding",
+    r"`torch\.distributed\.reduce_op` is deprecated",  # FutureWarning from vLLM's triton_utils, at import
+)
 
 
 def cpu_threads_bind(engine_index: int, tp: int, threads: int, cpus: list[int] | None = None) -> str:
@@ -41,6 +59,8 @@ class VLLMEngine:
     def __init__(self, model_path: str, cfg: RolloutConfig, profile: str, dtype: str, seed: int,
                  engine_index: int = 0, max_model_len: int | None = None,
                  ray_bundle_indices: list[int] | None = None, threads: int = 1):
+        # First: every later line of this process (vLLM's, torch's, C++'s) into run_dir/logs/.
+        console = worker_logs.capture_worker_output(f"rollout_engine{engine_index}", HARMLESS_WARNINGS)
         if profile not in PROFILES:
             raise ValueError(f"profile {profile!r}: expected one of {PROFILES}")
         if dtype not in ("float32", "bfloat16", "float16"):
@@ -93,6 +113,8 @@ class VLLMEngine:
 
         from vllm import LLM
         from vllm.platforms import current_platform
+
+        worker_logs.to_console(console, "vllm", "ray")  # loggers of their own (propagate=False): filtered too
 
         if profile == "cpu" and not current_platform.is_cpu():
             raise RuntimeError(f"profile cpu but vLLM picked the {current_platform.device_name!r} platform; "
