@@ -90,6 +90,7 @@ class MegatronGroup:
         parts = self._run_sharded("update", batch, loss_cfg, head_args)
         metrics = {k: sum(p["sums"][k] for p in parts) for k in parts[0]["sums"]}
         metrics[f"{self.role}/grad_norm"] = parts[0]["grad_norm"]  # the global norm: the same on every rank
+        metrics[f"{self.role}/lr"] = parts[0]["lr"]  # the lr this optimizer step ran at
         outputs = {k: torch.cat([p["outputs"][k] for p in parts]) for k in parts[0]["outputs"]}
         return UpdateResult(metrics, outputs)
 
