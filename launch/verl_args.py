@@ -145,6 +145,7 @@ SIMPLE: dict[str, Simple] = {
     "data.max_prompt_length": (("data.max_prompt_length",), int, ""),
     "data.max_response_length": (("rollout.max_response_length",), int, ""),
     "data.prompt_key": (("data.prompt_key",), str, ""),
+    "data.truncation": ((), _choice({"error": None}, "data.truncation"), "rlx refuses a longer prompt, as verl's error"),
     "data.shuffle": (("data.shuffle",), bool, ""),
     f"{AR}.model.path": (("model.path",), str, ""),
     f"{AR}.actor.ppo_mini_batch_size": (("actor.ppo_mini_batch_size",), int,
@@ -152,10 +153,6 @@ SIMPLE: dict[str, Simple] = {
     f"{AR}.actor.ppo_micro_batch_size_per_gpu": (("actor.micro_batch_size",), int, "sequences per micro-batch per DP rank"),
     f"{AR}.actor.ppo_epochs": (("actor.ppo_epochs",), int, ""),
     f"{AR}.actor.entropy_coeff": (("actor.loss.entropy_coeff",), float, ""),
-    f"{AR}.actor.clip_ratio": (("actor.loss.clip_ratio_low", "actor.loss.clip_ratio_high"), float,
-                               "verl's clip_ratio is both bounds unless clip_ratio_low/high are given"),
-    f"{AR}.actor.clip_ratio_low": (("actor.loss.clip_ratio_low",), float, ""),
-    f"{AR}.actor.clip_ratio_high": (("actor.loss.clip_ratio_high",), float, ""),
     f"{AR}.actor.clip_ratio_c": (("actor.loss.clip_ratio_c",), float, "the dual clip's bound"),
     f"{AR}.actor.loss_agg_mode": (("actor.loss_agg_mode",), str, ""),
     f"{AR}.actor.kl_loss_type": (("actor.loss.kl_estimator",), _choice(KL_ESTIMATORS, "kl_loss_type"), ""),
@@ -199,9 +196,6 @@ SIMPLE: dict[str, Simple] = {
     "trainer.test_freq": (("trainer.val_every",), _never_if_negative, "-1 (never): 0"),
     "trainer.default_local_dir": (("trainer.checkpoint_dir",), str, ""),
     "trainer.max_actor_ckpt_to_keep": (("trainer.keep_last",), lambda v: 0 if v is None else int(v), "null (all): 0"),
-    "trainer.resume_mode": (("trainer.resume",), _choice({"auto": "auto", "disable": "never"}, "trainer.resume_mode"),
-                            ""),
-    "trainer.resume_from_path": (("trainer.resume",), str, ""),
     "trainer.val_before_train": ((), _choice({True: None}, "trainer.val_before_train"),
                                  "rlx validates before step 1 whenever trainer.val_every > 0"),
     "trainer.critic_warmup": ((), _choice({0: None}, "trainer.critic_warmup"), ""),
@@ -222,7 +216,10 @@ DERIVED = {f"{AR}.actor.use_kl_loss", f"{AR}.actor.kl_loss_coef", "trainer.n_gpu
            "trainer.total_epochs",
            *(f"{p}.{k}" for p in (f"{AR}.actor.optim", "critic.optim")
              for k in ("lr_warmup_steps", "lr_warmup_steps_ratio", "lr_decay_steps", "min_lr_ratio")),
-           f"{AR}.actor.use_dynamic_bsz", f"{AR}.actor.ppo_max_token_len_per_gpu"}
+           f"{AR}.actor.use_dynamic_bsz", f"{AR}.actor.ppo_max_token_len_per_gpu",
+           "custom_reward_function.path", "custom_reward_function.name",
+           *(f"{AR}.actor.{k}" for k in ("clip_ratio", "clip_ratio_low", "clip_ratio_high")),
+           "trainer.resume_mode", "trainer.resume_from_path"}
 # Keys that only tune verl's memory or speed, with no effect on what rlx computes: accepted, shown.
 NO_EFFECT = {
     f"{AR}.model.use_remove_padding": "rlx always cuts micro-batches to their longest row",
@@ -235,6 +232,10 @@ NO_EFFECT = {
     f"{AR}.ref.megatron.param_offload": "no offloading in rlx",
     "critic.megatron.param_offload": "no offloading in rlx",
     "data.val_batch_size": "rlx validates every prompt at once",
+    "data.return_raw_chat": "rlx applies the chat template itself (data.apply_chat_template)",
+    # Not silent: a prompt over data.max_prompt_length stops rlx before start, naming its row.
+    "data.filter_overlong_prompts": "rlx refuses (names) a prompt longer than data.max_prompt_length instead of "
+                                    "dropping it",
 }
 
 
@@ -372,6 +373,43 @@ def _derived(cfg: JobConfig, values: dict[str, Any]) -> tuple[dict[str, tuple[di
             other = "trainer.nnodes" if key == "trainer.n_gpus_per_node" else None
             if other in values:
                 out[other] = ({}, "see trainer.n_gpus_per_node")
+    # The clip bounds: verl's clip_ratio_low/high are 0.2 each in its yaml; clip_ratio only fills one set to null.
+    eps = values.get(f"{AR}.actor.clip_ratio")
+    for side in ("low", "high"):
+        key = f"{AR}.actor.clip_ratio_{side}"
+        if key in values:
+            bound = values[key] if values[key] is not None else eps
+            if bound is None:
+                problems.append(f"{key}=None (null needs {AR}.actor.clip_ratio to fill it)")
+            else:
+                out[key] = ({f"actor.loss.clip_ratio_{side}": float(bound)},
+                            "" if values[key] is not None else "null: verl's clip_ratio")
+    if f"{AR}.actor.clip_ratio" in values:
+        out[f"{AR}.actor.clip_ratio"] = ({}, "verl's bounds are clip_ratio_low/high (0.2 each unless given); "
+                                         "clip_ratio only fills one given as null")
+    # Resuming: verl's auto (the newest checkpoint of default_local_dir) | disable | resume_path (resume_from_path).
+    if "trainer.resume_mode" in values or "trainer.resume_from_path" in values:
+        mode, path = values.get("trainer.resume_mode", "auto"), values.get("trainer.resume_from_path")
+        if mode == "resume_path" and path:
+            out["trainer.resume_mode"] = ({"trainer.resume": str(path)}, "the checkpoint trainer.resume_from_path names")
+        elif mode in ("auto", "disable"):
+            out["trainer.resume_mode"] = ({"trainer.resume": "auto" if mode == "auto" else "never"}, "")
+        else:
+            problems.append(f"trainer.resume_mode={mode!r} (rlx takes auto, disable, or resume_path with "
+                            "trainer.resume_from_path)")
+        if "trainer.resume_from_path" in values:
+            out["trainer.resume_from_path"] = ({}, "used by resume_mode=resume_path only, as in verl")
+    # The reward function: verl's file + function name -> rlx's "file.py:function".
+    if "custom_reward_function.path" in values:
+        fn = values.get("custom_reward_function.name") or "compute_score"  # verl's default name
+        out["custom_reward_function.path"] = ({"reward.function": f"{values['custom_reward_function.path']}:{fn}"},
+                                              "rlx calls it as verl does: fn(data_source, solution_str, "
+                                              "ground_truth, extra_info)")
+        if "custom_reward_function.name" in values:
+            out["custom_reward_function.name"] = ({}, "see custom_reward_function.path")
+    elif "custom_reward_function.name" in values:
+        problems.append(f"custom_reward_function.name={values['custom_reward_function.name']!r} (without "
+                        "custom_reward_function.path it names no file)")
     # Epochs -> steps.
     if "trainer.total_epochs" in values:
         if "trainer.total_training_steps" in values and values["trainer.total_training_steps"] is not None:
