@@ -211,13 +211,14 @@ class MegatronEngine:
         self.ddp_chunks = [DistributedDataParallel(self.config, ddp_config, chunk, disable_bucketing=i > 0)
                            for i, chunk in enumerate(self.model_chunks)]
         self.forward_chunks = self.ddp_chunks
+        schedule = role_lr_schedule(self.spec)
         opt_config = OptimizerConfig(
-            optimizer="adam", lr=o.lr, min_lr=role_lr_schedule(self.spec).min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+            optimizer="adam", lr=o.lr, min_lr=schedule.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
             adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
             bf16=self.config.bf16, params_dtype=self.config.params_dtype,
             use_distributed_optimizer=o.use_distributed_optimizer)
         self.optimizer = get_megatron_optimizer(opt_config, self.ddp_chunks)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, role_lr_schedule(self.spec), o.weight_decay)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, schedule, o.weight_decay)
         # The hooks megatron's schedules call: skip the DP all-reduce on all but the last micro-batch,
         # then reduce gradients over DP (and the tied embedding over the first/last PP stages).
         no_sync = [ddp.no_sync for ddp in self.ddp_chunks]

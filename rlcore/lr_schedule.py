@@ -29,8 +29,8 @@ class LRSchedule:
     from_checkpoint: bool = False  # on resume the checkpoint's schedule wins (else this one)
 
     def lr_at(self, step: int) -> float:
-        """The lr optimizer step ``step`` (1-based) runs at: megatron's formulas, written out for
-        ``rlx show``'s summary and the tests' hand-computed check."""
+        """The lr optimizer step ``step`` (1-based) runs at: megatron's formulas written out, so the
+        expected lrs of a run can be computed without megatron (the e2e test)."""
         k = step - 1  # the scheduler's count of steps already taken
         if self.warmup_steps > 0 and k <= self.warmup_steps:
             return self.warmup_init + (self.lr - self.warmup_init) * k / self.warmup_steps
