@@ -224,3 +224,28 @@ def test_every_mapped_key_is_covered():
     covered = {item.split("=")[0] for verl, _ in GROUPS for item in verl}
     covered |= {"trainer.total_epochs", "trainer.logger", "trainer.project_name", "trainer.experiment_name"}
     assert set(verl_args.mapped_keys()) - covered == set()
+
+
+
+def test_submit_verl_submits_the_translated_spec(tmp_path, capsys):
+    """--dry-run: the script runs `rlx train` on the translated spec, which loads back as the same job."""
+    from omegaconf import OmegaConf
+
+    from rlcore.job import load_job
+
+    base = OmegaConf.load(SPEC)
+    base.trainer.run_dir = str(tmp_path / "run")
+    OmegaConf.save(base, tmp_path / "base.yaml")
+    verl = [f"{AR}.rollout.n=4", "data.train_batch_size=4", f"{AR}.actor.ppo_micro_batch_size_per_gpu=4",
+            f"{AR}.actor.optim.lr_warmup_steps=1"]
+    code = cli.main(["submit", str(tmp_path / "base.yaml"), "--nodes", "1", "--gpus-per-node", "3",
+                     "--log-dir", str(tmp_path / "slurm"), "--dry-run", "--verl", *verl])
+    captured = capsys.readouterr()
+    out = captured.out
+    assert code == 0, captured.err
+    spec_path = str(tmp_path / "run" / "verl_job.yaml")
+    assert f"the translated spec: {spec_path}" in out
+    script = next((tmp_path / "slurm").glob("*.sbatch")).read_text()
+    job_args = next(line for line in script.splitlines() if line.startswith("[ $# -eq 0 ] && set --"))
+    assert spec_path in job_args and "rollout.n" not in job_args  # the resolved spec, no verl keys
+    assert load_job(spec_path, []) == translate(str(tmp_path / "base.yaml"), verl)[0]
