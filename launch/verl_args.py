@@ -145,12 +145,14 @@ SIMPLE: dict[str, Simple] = {
     "data.max_prompt_length": (("data.max_prompt_length",), int, ""),
     "data.max_response_length": (("rollout.max_response_length",), int, ""),
     "data.prompt_key": (("data.prompt_key",), str, ""),
-    "data.truncation": ((), _choice({"error": None}, "data.truncation"), "rlx refuses a longer prompt, as verl's error"),
+    "data.truncation": ((), _choice({"error": None}, "data.truncation"),
+                        "rlx refuses a longer prompt, as verl's error"),
     "data.shuffle": (("data.shuffle",), bool, ""),
     f"{AR}.model.path": (("model.path",), str, ""),
     f"{AR}.actor.ppo_mini_batch_size": (("actor.ppo_mini_batch_size",), int,
                                         "prompts per optimizer step (each with rollout.n samples), as verl's"),
-    f"{AR}.actor.ppo_micro_batch_size_per_gpu": (("actor.micro_batch_size",), int, "sequences per micro-batch per DP rank"),
+    f"{AR}.actor.ppo_micro_batch_size_per_gpu": (("actor.micro_batch_size",), int,
+                                                 "sequences per micro-batch per DP rank"),
     f"{AR}.actor.ppo_epochs": (("actor.ppo_epochs",), int, ""),
     f"{AR}.actor.entropy_coeff": (("actor.loss.entropy_coeff",), float, ""),
     f"{AR}.actor.clip_ratio_c": (("actor.loss.clip_ratio_c",), float, "the dual clip's bound"),
@@ -332,8 +334,9 @@ def _derived(cfg: JobConfig, values: dict[str, Any]) -> tuple[dict[str, tuple[di
                                                         "the same fraction of the run's optimizer steps")
         decay = values.get(f"{verl}.lr_decay_steps")
         if f"{verl}.lr_decay_steps" in values:
-            out[f"{verl}.lr_decay_steps"] = ({f"{rlx}.lr_decay_steps": None if decay is None else int(decay) * per_step},
-                                             note if decay is not None else "null: the run's last step")
+            out[f"{verl}.lr_decay_steps"] = (
+                {f"{rlx}.lr_decay_steps": None if decay is None else int(decay) * per_step},
+                note if decay is not None else "null: the run's last step")
         if f"{verl}.min_lr_ratio" in values:
             lr = role_cfg.optim.lr
             r = values[f"{verl}.min_lr_ratio"]
@@ -391,7 +394,8 @@ def _derived(cfg: JobConfig, values: dict[str, Any]) -> tuple[dict[str, tuple[di
     if "trainer.resume_mode" in values or "trainer.resume_from_path" in values:
         mode, path = values.get("trainer.resume_mode", "auto"), values.get("trainer.resume_from_path")
         if mode == "resume_path" and path:
-            out["trainer.resume_mode"] = ({"trainer.resume": str(path)}, "the checkpoint trainer.resume_from_path names")
+            out["trainer.resume_mode"] = ({"trainer.resume": str(path)},
+                                          "the checkpoint trainer.resume_from_path names")
         elif mode in ("auto", "disable"):
             out["trainer.resume_mode"] = ({"trainer.resume": "auto" if mode == "auto" else "never"}, "")
         else:
@@ -450,7 +454,8 @@ def format_mapping(rows: list[Row]) -> str:
     """One line a verl key: ``verl.key=value -> rlx.key=value, ...  # note``."""
     lines = ["verl key -> rlx key(s)"]
     for r in rows:
-        left = r.verl_key if r.verl_value is None and r.verl_key.startswith("(") else f"{r.verl_key}={format_value(r.verl_value)}"
+        defaults_row = r.verl_value is None and r.verl_key.startswith("(")
+        left = r.verl_key if defaults_row else f"{r.verl_key}={format_value(r.verl_value)}"
         right = ", ".join(f"{k}={format_value(v)}" for k, v in r.rlx.items()) or "-"
         lines.append(f"  {left} -> {right}" + (f"  # {r.note}" if r.note else ""))
     return "\n".join(lines)

@@ -509,5 +509,6 @@ def check_lr_schedule(cfg: JobConfig, role: str) -> None:
         raise ConfigError(f"{key}.lr_decay_steps={o.lr_decay_steps} must be positive")
     if schedule.warmup_steps >= schedule.decay_steps:
         what = (f"{key}.lr_decay_steps={o.lr_decay_steps}" if o.lr_decay_steps is not None else
-                f"the run's {total} optimizer steps (trainer.total_steps x ppo_epochs x batch_size / ppo_mini_batch_size)")
+                f"the run's {total} optimizer steps (trainer.total_steps x ppo_epochs x batch_size / "
+                "ppo_mini_batch_size)")
         raise ConfigError(f"{key}: {schedule.warmup_steps} warm-up steps must end before {what}")

@@ -28,7 +28,8 @@ GROUPS = [
       f"{AR}.actor.optim.lr_warmup_init=1e-7", f"{AR}.actor.optim.lr_decay_steps=40",
       f"{AR}.actor.optim.use_checkpoint_opt_param_scheduler=True",
       f"{AR}.actor.use_kl_loss=True", f"{AR}.actor.kl_loss_coef=0.01", f"{AR}.actor.kl_loss_type=low_var_kl",
-      f"{AR}.actor.entropy_coeff=0.001", f"{AR}.actor.clip_ratio=0.25", f"{AR}.actor.clip_ratio_low=null", f"{AR}.actor.clip_ratio_high=0.28",
+      f"{AR}.actor.entropy_coeff=0.001", f"{AR}.actor.clip_ratio=0.25", f"{AR}.actor.clip_ratio_low=null",
+      f"{AR}.actor.clip_ratio_high=0.28",
       f"{AR}.actor.clip_ratio_c=4.0", f"{AR}.actor.loss_agg_mode=seq-mean-token-mean",
       f"{AR}.actor.megatron.tensor_model_parallel_size=1", f"{AR}.actor.megatron.pipeline_model_parallel_size=2",
       f"{AR}.actor.megatron.virtual_pipeline_model_parallel_size=null",
@@ -174,7 +175,8 @@ def test_total_epochs_counts_the_dataset(tmp_path):
 
 
 def test_unmappable_keys_are_named_together_before_anything_starts(capsys):
-    code = cli.main(["train", SPEC, "--verl", "trainer.nnodes=1", "actor_rollout_ref.actor.fsdp_config.param_offload=True",
+    code = cli.main(["train", SPEC, "--verl", "trainer.nnodes=1",
+                     "actor_rollout_ref.actor.fsdp_config.param_offload=True",
                      "algorithm.kl_penalty=full", "trainer.critic_warmup=5", f"{AR}.rollout.name=sglang"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1
