@@ -207,7 +207,8 @@ SIMPLE: dict[str, Simple] = {
 }
 if _trainer_has("logger"):  # the loggers' list (rlcore/loggers)
     SIMPLE["trainer.logger"] = (("trainer.logger",), lambda v: [_choice(LOGGERS, "trainer.logger entry")(x)
-                                                                 for x in _files(v)], "file: rlx's jsonl")
+                                                                 for x in _files(v)],
+                               "verl's file logger is rlx's jsonl (metrics.jsonl is written either way)")
 for _verl, _rlx in (("trainer.project_name", "project_name"), ("trainer.experiment_name", "experiment_name")):
     if _trainer_has(_rlx):
         SIMPLE[_verl] = ((f"trainer.{_rlx}",), str, "")
