@@ -34,7 +34,8 @@ LOSS = CriticLossConfig(cliprange_value=0.5)
 OPTIM = OptimConfig(lr=1e-3, adam_eps=1e-6, clip_grad=1.0)
 TOL = 1e-5
 REGRESSION_STEPS = 5
-METRICS = {"critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/loss", "critic/grad_norm", "critic/lr"}
+METRICS = {"critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/loss", "critic/grad_norm",
+           "critic/lr"}
 
 
 @pytest.fixture(scope="module")
