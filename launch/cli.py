@@ -8,6 +8,7 @@
     rlx plan     CPU_JOB.yaml --suggest [--calibrate]   the actor's layouts on the job's pools, ranked
     rlx submit   JOB.yaml --nodes N [key.sub=value ...]   sbatch a Ray cluster on N nodes that trains JOB
     rlx export   CHECKPOINT --to hf OUT [--role actor|critic]   a checkpoint as a HuggingFace model folder
+    rlx train|validate|show|plan|submit JOB.yaml --verl verl.key=value ...   verl main_ppo overrides instead
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from rlcore.data import DataError
 from rlcore.job import ConfigError, load_job
 from rlcore.validate import JobLayout, for_another_machine, validate
 from rlcore.reward import RewardError
+from launch.verl_args import add_verl_flag, load_verl_job
 
 
 def _layout_table(layout: JobLayout) -> str:
@@ -96,11 +98,13 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=help_)
         p.add_argument("job", help="YAML job spec")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.tp=2 trainer.total_steps=5")
+        add_verl_flag(p)
     plan = sub.add_parser("plan", help="estimate every role's memory per GPU; --suggest ranks layouts")
     submit = sub.add_parser("submit", help="submit the job to Slurm: a Ray cluster on --nodes nodes runs `rlx train`")
     for p in (plan, submit):
         p.add_argument("job", help="YAML job spec")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.tp=2 trainer.total_steps=5")
+        add_verl_flag(p)
     plan.add_argument("--suggest", action="store_true", help="list the layouts that divide and fit, best first")
     plan.add_argument("--gpus-per-node", type=int, help="with --suggest (default: resources.gpus_per_node)")
     plan.add_argument("--nodes", type=int, help="with --suggest (default: resources.nodes)")
@@ -120,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     # them unparsed, so they are collected here.
     args, extra = parser.parse_known_args(argv)
     for item in extra:
-        if item.startswith("-") or "=" not in item or args.command not in ("plan", "submit"):
+        if item.startswith("-") or "=" not in item or (args.command not in ("plan", "submit")
+                                                         and not getattr(args, "verl", False)):
             parser.error(f"unrecognized argument {item!r}")
         args.overrides.append(item)
 
@@ -129,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_export(args)
     try:
-        cfg = load_job(args.job, args.overrides)
+        cfg = load_verl_job(args) if getattr(args, "verl", False) else load_job(args.job, args.overrides)
         if args.command == "show":
             print(_to_yaml(cfg), end="")
             return 0

@@ -13,6 +13,7 @@ from rlcore import checkpoint
 from rlcore.config import JobConfig
 from rlcore.data import load_task
 from rlcore.layout import RoleLayout
+from rlcore.lr_schedule import role_schedule
 from rlcore.validate import JobLayout
 from rlcore.placement import ResourcePools, math_threads, start_ray
 from rlcore.roles import Roles, RoleSpec
@@ -22,11 +23,11 @@ from rlcore.weight_sync import connect_weight_sync
 
 def role_spec(name: str, lay: RoleLayout, layout: JobLayout, model_path: str, micro_batch_size: int, seed: int,
               head: str = "lm", optim=None, threads: int = 1, shared_prompt: bool = False,
-              max_tokens_per_micro_batch: int | None = None) -> RoleSpec:
+              max_tokens_per_micro_batch: int | None = None, lr_schedule=None) -> RoleSpec:
     return RoleSpec(name, model_path, tp=lay.tp, pp=lay.pp, dp=lay.dp, vpp=lay.vpp, pp_layers=lay.pp_layers,
                     micro_batch_size=micro_batch_size, profile=layout.device, dtype=layout.dtype, seed=seed,
                     head=head, optim=optim, threads=threads, shared_prompt=shared_prompt,
-                    max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+                    max_tokens_per_micro_batch=max_tokens_per_micro_batch, lr_schedule=lr_schedule)
 
 
 def reference_shape(cfg: JobConfig) -> dict:
@@ -72,7 +73,8 @@ def build_roles(cfg: JobConfig, layout: JobLayout) -> Roles:
     try:
         roles.actor = MegatronGroup(role_spec("actor", layout.actor, layout, cfg.model.path, a.micro_batch_size,
                                               seed, optim=a.optim, threads=threads["actor"], shared_prompt=a.shared_prompt,
-                                              max_tokens_per_micro_batch=a.max_tokens_per_micro_batch),
+                                              max_tokens_per_micro_batch=a.max_tokens_per_micro_batch,
+                                              lr_schedule=role_schedule(cfg, "actor")),
                                     pools.placement("actor"))
         if layout.reference:  # only when a KL term needs it
             roles.reference = MegatronGroup(role_spec("reference", layout.reference, layout, cfg.model.path,
@@ -83,7 +85,8 @@ def build_roles(cfg: JobConfig, layout: JobLayout) -> Roles:
             roles.critic = MegatronGroup(role_spec("critic", layout.critic, layout, c.model_path or cfg.model.path,
                                                    c.micro_batch_size, seed, head="value", optim=c.optim,
                                                    threads=threads["critic"], shared_prompt=c.shared_prompt,
-                                                   max_tokens_per_micro_batch=c.max_tokens_per_micro_batch),
+                                                   max_tokens_per_micro_batch=c.max_tokens_per_micro_batch,
+                                                   lr_schedule=role_schedule(cfg, "critic")),
                                          pools.placement("critic"))
         # The longest sequence a job can make (the loader refuses longer prompts): vLLM sizes its
         # batches and the KV cache it must hold for one sequence by it, not by the model's context.

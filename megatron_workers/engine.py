@@ -27,6 +27,7 @@ import torch
 
 from rlcore import worker_logs
 from rlcore.batch import Batch
+from rlcore.lr_schedule import LRSchedule, resolve as resolve_lr_schedule
 from rlcore.roles import RoleSpec
 
 from .heads import HEADS
@@ -43,6 +44,50 @@ def node_ip() -> str:
     import ray
 
     return ray.util.get_node_ip_address()
+
+
+def role_lr_schedule(spec: RoleSpec) -> LRSchedule:
+    """The role's schedule; a RoleSpec built without one (outside a job) trains at optim.lr throughout,
+    which only a constant spec without warm-up means."""
+    if spec.lr_schedule is not None:
+        return spec.lr_schedule
+    o = spec.optim
+    if o.lr_decay_style != "constant" or o.lr_warmup_steps or o.lr_warmup_ratio:
+        raise ValueError(f"{spec.name}: optim asks for a learning-rate schedule, but the RoleSpec has no "
+                         "lr_schedule (rlcore.lr_schedule.role_schedule resolves it from the job)")
+    return resolve_lr_schedule(o, total=1)
+
+
+def build_lr_scheduler(optimizer, schedule: LRSchedule, weight_decay: float):
+    """megatron-core's OptimizerParamScheduler for ``schedule``; it also applies megatron's per-group
+    wd_mult (no weight decay on biases and norms), with a constant weight decay. Which schedule wins on
+    resume: the spec's (override_opt_param_scheduler; the step count always comes from the checkpoint),
+    or with ``from_checkpoint`` the checkpoint's (use_checkpoint_opt_param_scheduler)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        optimizer, init_lr=schedule.warmup_init if schedule.warmup_steps > 0 else schedule.lr, max_lr=schedule.lr,
+        min_lr=schedule.min_lr, lr_warmup_steps=schedule.warmup_steps, lr_decay_steps=schedule.decay_steps,
+        lr_decay_style=schedule.decay_style, start_wd=weight_decay, end_wd=weight_decay, wd_incr_steps=0,
+        wd_incr_style="constant", use_checkpoint_opt_param_scheduler=schedule.from_checkpoint,
+        override_opt_param_scheduler=not schedule.from_checkpoint)
+
+
+def current_lr(optimizer) -> float:
+    """The lr of the optimizer's default parameter groups (megatron's own pick for logging)."""
+    from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
+
+    return float(get_canonical_lr_for_logging(optimizer.param_groups))
+
+
+def follow_lr_scheduler(lr_scheduler) -> None:
+    """After a checkpoint load: megatron's get_lr prefers a parameter group's own max_lr/min_lr (set
+    from the spec at construction, or restored with the optimizer's state) to the scheduler's, so the
+    groups get the scheduler's values (the spec's or the checkpoint's, as build_lr_scheduler decided)
+    and the lr is recomputed at the loaded step."""
+    for group in lr_scheduler.optimizer.param_groups:
+        group["max_lr"], group["min_lr"] = lr_scheduler.max_lr, lr_scheduler.min_lr
+    lr_scheduler.step(increment=0)
 
 
 class MegatronEngine:
@@ -160,7 +205,6 @@ class MegatronEngine:
         from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                                finalize_model_grads)
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         o = self.spec.optim
         ddp_config = DistributedDataParallelConfig(
@@ -171,18 +215,14 @@ class MegatronEngine:
         self.ddp_chunks = [DistributedDataParallel(self.config, ddp_config, chunk, disable_bucketing=i > 0)
                            for i, chunk in enumerate(self.model_chunks)]
         self.forward_chunks = self.ddp_chunks
+        schedule = role_lr_schedule(self.spec)
         opt_config = OptimizerConfig(
-            optimizer="adam", lr=o.lr, min_lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+            optimizer="adam", lr=o.lr, min_lr=schedule.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
             adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
             bf16=self.config.bf16, params_dtype=self.config.params_dtype,
             use_distributed_optimizer=o.use_distributed_optimizer)
         self.optimizer = get_megatron_optimizer(opt_config, self.ddp_chunks)
-        # Constant lr and weight decay; the scheduler is what applies megatron's per-group wd_mult
-        # (no weight decay on biases and norms).
-        self.lr_scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=o.lr, max_lr=o.lr, min_lr=o.lr, lr_warmup_steps=0, lr_decay_steps=1,
-            lr_decay_style="constant", start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=0,
-            wd_incr_style="constant")
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, schedule, o.weight_decay)
         # The hooks megatron's schedules call: skip the DP all-reduce on all but the last micro-batch,
         # then reduce gradients over DP (and the tied embedding over the first/last PP stages).
         no_sync = [ddp.no_sync for ddp in self.ddp_chunks]
@@ -329,6 +369,7 @@ class MegatronEngine:
         self.optimizer.zero_grad()
         outputs = self._run_schedule(micro_batches, loss_func, forward_only=False)
         grad_norm, finite = self._check_finite(outputs)
+        lr = current_lr(self.optimizer)  # the lr this step ran (or would have run) at
         if finite:
             self.optimizer.step()  # recomputes the same norm to clip with it
             self.lr_scheduler.step(increment=1)
@@ -344,7 +385,7 @@ class MegatronEngine:
         b, s = batch["input_ids"].shape
         kept = {k: self._reassemble([o["kept"][k] for o in outputs], micro_batches, b, s).cpu()
                 for k in outputs[0]["kept"]}
-        return {"sums": sums, "grad_norm": grad_norm, "outputs": kept, "skipped": not finite}
+        return {"sums": sums, "grad_norm": grad_norm, "lr": lr, "outputs": kept, "skipped": not finite}
 
     def _check_finite(self, outputs: list) -> tuple[float, bool]:
         """The global gradient norm of the backward just run, and whether it and every reporting
@@ -380,6 +421,8 @@ class MegatronEngine:
         from .checkpointing import load_role
 
         load_role(path, self.model_chunks, self.optimizer, self.lr_scheduler, with_optimizer)
+        if with_optimizer and self.optimizer is not None:
+            follow_lr_scheduler(self.lr_scheduler)
 
     # ----------------------------------------------------------------------------- full weights
     def hf_state_dict(self) -> dict[str, torch.Tensor] | None:

@@ -92,6 +92,7 @@ class MegatronGroup:
         metrics[f"{self.role}/grad_norm"] = parts[0]["grad_norm"]  # the global norm: the same on every rank
         # A non-finite loss or gradient norm: the engines did not apply the step (the same on every rank).
         metrics[f"{self.role}/update_skipped"] = float(parts[0]["skipped"])
+        metrics[f"{self.role}/lr"] = parts[0]["lr"]  # the lr this optimizer step ran at
         outputs = {k: torch.cat([p["outputs"][k] for p in parts]) for k in parts[0]["outputs"]}
         return UpdateResult(metrics, outputs)
 

@@ -43,6 +43,20 @@ class OptimConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     use_distributed_optimizer: bool = False
+    # The learning-rate schedule (megatron-core's OptimizerParamScheduler; rlcore/lr_schedule.py), counted
+    # in OPTIMIZER steps: the run has trainer.total_steps x ppo_epochs x (data.batch_size /
+    # ppo_mini_batch_size) of them. Warm-up is linear from lr_warmup_init to lr (the first optimizer step
+    # runs at lr_warmup_init, as in megatron and verl), then lr_decay_style takes lr down to min_lr.
+    lr_warmup_steps: Optional[int] = None  # optimizer steps of warm-up; None: lr_warmup_ratio, else none
+    lr_warmup_ratio: Optional[float] = None  # warm-up as a fraction of the run's optimizer steps (rounded down)
+    lr_warmup_init: float = 0.0  # the lr warm-up starts from
+    lr_decay_style: str = "constant"  # constant | linear | cosine (after the warm-up)
+    min_lr: float = 0.0  # linear/cosine: the lr at lr_decay_steps and after
+    lr_decay_steps: Optional[int] = None  # the optimizer step the decay reaches min_lr; None: the run's last
+    # On resume: false (default) = this spec's schedule wins, the step count comes from the checkpoint (so
+    # an unchanged spec continues exactly, and a longer run stretches the decay); true = the schedule
+    # saved in the checkpoint wins (verl's use_checkpoint_opt_param_scheduler).
+    lr_schedule_from_checkpoint: bool = False
 
 
 @dataclass

@@ -16,6 +16,7 @@ import torch
 
 from rlcore.batch import Batch, Trajectory
 from rlcore.config import OptimConfig
+from rlcore.lr_schedule import LRSchedule
 from rlcore.weight_sync import WeightReceiver, WeightSender
 
 __all__ = ["ForwardRole", "Generator", "RoleSpec", "Roles", "TrainableRole", "WeightReceiver", "WeightSender"]
@@ -47,6 +48,8 @@ class RoleSpec:
     shared_prompt: bool = False
     # Micro-batches by a token budget instead of micro_batch_size rows (None: by rows).
     max_tokens_per_micro_batch: Optional[int] = None
+    # The optimizer's learning-rate schedule over the run (trainable roles); None: optim.lr throughout.
+    lr_schedule: Optional[LRSchedule] = None
 
     @property
     def world_size(self) -> int:

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from rlcore import algos
+from rlcore import algos, lr_schedule
 from rlcore.config import JobConfig, resolved_critic
 from rlcore.hf_config import HFModelSpec, read_hf_config
 from rlcore.job import ConfigError
@@ -92,6 +92,9 @@ def validate(cfg: JobConfig, require_files: Optional[bool] = None) -> JobLayout:
     rollout = _rollout_layout(cfg, model, device)
     _check_data(cfg, model, require_files)
     _check_algorithm(cfg)
+    check_lr_schedule(cfg, "actor")
+    if critic is not None:
+        check_lr_schedule(cfg, "critic")
     try:
         load_reward_fn(cfg.reward.function)
     except RewardError as e:
@@ -484,3 +487,30 @@ def _check_algorithm(cfg: JobConfig) -> None:
     if cfg.algorithm.dynamic_sampling.enable and cfg.rollout.n < 2:
         raise ConfigError(f"algorithm.dynamic_sampling.enable=true drops prompts whose samples all scored the "
                           f"same, which needs rollout.n >= 2 (got rollout.n={cfg.rollout.n})")
+
+
+def check_lr_schedule(cfg: JobConfig, role: str) -> None:
+    """``<role>.optim``'s learning-rate schedule against the run's optimizer steps (rlcore/lr_schedule.py)."""
+    o = getattr(cfg, role).optim
+    key = f"{role}.optim"
+    _one_of(f"{key}.lr_decay_style", o.lr_decay_style, lr_schedule.DECAY_STYLES)
+    if o.lr_warmup_steps is not None and o.lr_warmup_ratio is not None:
+        raise ConfigError(f"{key}.lr_warmup_steps={o.lr_warmup_steps} and {key}.lr_warmup_ratio={o.lr_warmup_ratio} "
+                          "are two ways to say the same thing: give one of them")
+    if o.min_lr < 0 or o.min_lr > o.lr:
+        raise ConfigError(f"{key}.min_lr={o.min_lr} must be in [0, {key}.lr={o.lr}]")
+    if not 0 <= o.lr_warmup_init <= o.lr:
+        raise ConfigError(f"{key}.lr_warmup_init={o.lr_warmup_init} must be in [0, {key}.lr={o.lr}]")
+    if o.lr_warmup_ratio is not None and not 0 <= o.lr_warmup_ratio < 1:
+        raise ConfigError(f"{key}.lr_warmup_ratio={o.lr_warmup_ratio} must be in [0, 1)")
+    if o.lr_warmup_steps is not None and o.lr_warmup_steps < 0:
+        raise ConfigError(f"{key}.lr_warmup_steps={o.lr_warmup_steps} must not be negative")
+    total = lr_schedule.run_optimizer_steps(cfg, cfg.actor if role == "actor" else resolved_critic(cfg))
+    schedule = lr_schedule.role_schedule(cfg, role)
+    if o.lr_decay_steps is not None and o.lr_decay_steps < 1:
+        raise ConfigError(f"{key}.lr_decay_steps={o.lr_decay_steps} must be positive")
+    if schedule.warmup_steps >= schedule.decay_steps:
+        what = (f"{key}.lr_decay_steps={o.lr_decay_steps}" if o.lr_decay_steps is not None else
+                f"the run's {total} optimizer steps (trainer.total_steps x ppo_epochs x batch_size / "
+                "ppo_mini_batch_size)")
+        raise ConfigError(f"{key}: {schedule.warmup_steps} warm-up steps must end before {what}")

@@ -35,7 +35,7 @@ OPTIM = OptimConfig(lr=1e-3, adam_eps=1e-6, clip_grad=1.0)
 TOL = 1e-5
 REGRESSION_STEPS = 5
 METRICS = {"critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/loss", "critic/grad_norm",
-           "critic/update_skipped"}
+           "critic/update_skipped", "critic/lr"}
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +135,7 @@ def test_values_and_gradient_match_transformers(one_process):
     assert set(metrics) == METRICS
     assert metrics["critic/grad_norm"] == pytest.approx(float(grad_norm), rel=TOL)
     assert metrics["critic/grad_norm"] > OPTIM.clip_grad  # clipping is active
+    assert metrics["critic/lr"] == OPTIM.lr  # no schedule: the constant lr
     for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean"):
         assert metrics[key] == pytest.approx(float(hand[key]), abs=TOL), key
     assert metrics["critic/loss"] == pytest.approx(metrics["critic/vf_loss"], abs=1e-7)
