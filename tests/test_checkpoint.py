@@ -116,7 +116,7 @@ def _overrides(model, data, run_dir, *extra) -> list[str]:
     # The quickstart, smaller: 8 prompts x 8 samples per step, no validation.
     return [f"model.path={model}", f"data.train_files=[{data}]", "data.val_files=[]", "data.batch_size=8",
             "rollout.n=8", f"trainer.run_dir={run_dir}", f"trainer.total_steps={STEPS}", "trainer.val_every=0",
-            "trainer.tensorboard=false", *extra]
+            "trainer.logger=[console,jsonl]", *extra]
 
 
 def _train_cmd(model, data, run_dir, *extra):
