@@ -50,6 +50,15 @@ def test_jsonl_is_written_even_when_not_listed(tmp_path):
     assert not (tmp_path / "tensorboard").exists()
 
 
+@pytest.fixture
+def mlflow_env(monkeypatch):
+    """No tracking URI and no MLFLOW_ALLOW_FILE_STORE: the logger's own defaults (the file store, and
+    MLflow 3's opt-in to it); the opt-in it sets is undone after the test."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "")  # recorded, so teardown restores the original
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
+
+
 def _wandb_history(run_dir) -> list[dict]:
     """The history records of every offline run under run_dir/wandb, through wandb's own reader of
     its .wandb transaction log (`wandb leet inspect --json`)."""
@@ -89,8 +98,7 @@ def test_wandb_offline_run_holds_config_and_metrics_and_resumes_the_same_run(tmp
     assert wandb_file.exists()
 
 
-def test_mlflow_file_store_holds_params_and_metrics_and_resumes_the_same_run(tmp_path, monkeypatch):
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+def test_mlflow_file_store_holds_params_and_metrics_and_resumes_the_same_run(tmp_path, mlflow_env):
     from mlflow.tracking import MlflowClient
 
     with MetricsLogger(_ctx(tmp_path), ["mlflow"]) as log:
@@ -125,8 +133,7 @@ def test_mlflow_file_store_holds_params_and_metrics_and_resumes_the_same_run(tmp
     assert crashed.info.status == "FAILED"
 
 
-def test_a_fresh_start_begins_a_new_tracker_run(tmp_path, monkeypatch):
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+def test_a_fresh_start_begins_a_new_tracker_run(tmp_path, mlflow_env):
     ids = []
     for _ in range(2):
         with MetricsLogger(_ctx(tmp_path), ["mlflow"]) as log:
@@ -164,8 +171,7 @@ def test_the_old_tensorboard_key_names_trainer_logger():
     assert JobConfig().trainer.logger == ["console", "jsonl", "tensorboard"]
 
 
-def test_for_job_passes_the_spec_names_and_modes(tmp_path, monkeypatch):
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+def test_for_job_passes_the_spec_names_and_modes(tmp_path, mlflow_env):
     cfg = load_job(None, ["model.path=/nonexistent", f"trainer.run_dir={tmp_path}/my-run", "trainer.logger=[mlflow]",
                           "trainer.project_name=proj", "trainer.total_steps=7"])
     log = MetricsLogger.for_job(cfg)
@@ -177,3 +183,40 @@ def test_for_job_passes_the_spec_names_and_modes(tmp_path, monkeypatch):
     finally:
         log.close()
     assert os.path.isdir(f"{tmp_path}/my-run/mlruns")
+
+
+@pytest.mark.e2e
+def test_quickstart_run_writes_wandb_mlflow_and_the_report(tmp_path, tiny_assets, monkeypatch):
+    """One tiny `rlx train` with every tracker: the offline W&B run and the MLflow file store hold
+    each step's metrics as metrics.jsonl does, the spec is their config, and report.png is written."""
+    from mlflow.tracking import MlflowClient
+
+    from tests.runs import train_cli
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # for this process's reader; the run sets its own
+    run_dir = tmp_path / "run"
+    lines = train_cli("yaml_configs/quickstart_cpu.yaml", run_dir, *tiny_assets, "trainer.total_steps=2",
+                      "data.batch_size=4", "rollout.n=4", "actor.micro_batch_size=8",
+                      "trainer.logger=[console,jsonl,wandb,mlflow]", "trainer.project_name=rlx-e2e")
+    assert [x["step"] for x in lines] == [1, 2]
+    assert not (run_dir / "tensorboard").exists()  # not listed
+
+    records = _wandb_history(run_dir)
+    history = {r["history"]["step"]["num"]: r["history"]["item"] for r in records if r["type"] == "history"}
+    (run,) = [r["run"] for r in records if r["type"] == "run"]
+    assert run["project"] == "rlx-e2e" and run["display_name"] == "run"
+    assert run["config"]["update"]["rollout.n"] == 4
+    mlflow_id = json.loads((run_dir / "mlflow_run.json").read_text())["id"]
+    client = MlflowClient(tracking_uri=f"file:{run_dir}/mlruns")
+    assert client.get_run(mlflow_id).info.status == "FINISHED"
+    assert client.get_run(mlflow_id).data.params["data.batch_size"] == "4"
+    for key in ("reward/mean", "actor/kl_ref", "rollout/logprob_diff_max", "timing/step_s"):
+        expected = {x["step"]: x[key] for x in lines}
+        assert {s: history[s][key] for s in history if key in history[s]} == pytest.approx(expected), key
+        mlflow_history = client.get_metric_history(mlflow_id, key)
+        assert len(mlflow_history) == 2 and {m.step: m.value for m in mlflow_history} == pytest.approx(expected), key
+
+    data = (run_dir / "report.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 50_000
