@@ -148,7 +148,8 @@ def _draw_phases(ax, rows: list[dict]) -> None:
     for i, key in enumerate(phases):
         heights = [r.get(key, 0.0) for r in train_rows]
         heights = [h if isinstance(h, (int, float)) and math.isfinite(h) else 0.0 for h in heights]
-        ax.bar(steps, heights, width=width, bottom=bottom, label=key[len("timing/"):-len("_s")], color=colors(i % colors.N))
+        ax.bar(steps, heights, width=width, bottom=bottom, label=key[len("timing/"):-len("_s")],
+               color=colors(i % colors.N))
         bottom = [b + h for b, h in zip(bottom, heights)]
     total_steps, totals = _series(train_rows, STEP_TIME)
     if total_steps:

@@ -65,7 +65,8 @@ def test_report_of_a_run_has_every_panel_with_its_lines(tmp_path):
     assert math.isnan(list(gap.get_lines()[1].get_ydata())[1])  # the 0 at step 2 is not drawn on a log axis
     assert "1 step at 0" in gap.get_legend().get_title().get_text()
     # Without a critic, no note about critic/vf_clipfrac: two lines, nothing missing.
-    assert len(axes["Clip fraction"].get_lines()) == 2 and axes["Clip fraction"].get_legend().get_title().get_text() == ""
+    clip = axes["Clip fraction"]
+    assert len(clip.get_lines()) == 2 and clip.get_legend().get_title().get_text() == ""
     phases = axes["Step phases (stacked) and the step's wall time"]
     assert len(phases.patches) == len(PHASES) * 5  # one bar per phase per step
     tops = {round(p.get_x() + p.get_width() / 2): p.get_y() + p.get_height() for p in phases.patches}
@@ -86,7 +87,8 @@ def test_report_of_a_crashed_run_skips_the_cut_line_and_names_absent_metrics(tmp
     assert "skipped" in fig._suptitle.get_text()
     axes = _axes(fig)
     kl = axes["KL"]
-    assert kl.get_lines() == [] and "not in metrics.jsonl:\nactor/kl_ref\nactor/ppo_kl" in [t.get_text() for t in kl.texts]
+    assert kl.get_lines() == []
+    assert "not in metrics.jsonl:\nactor/kl_ref\nactor/ppo_kl" in [t.get_text() for t in kl.texts]
     assert [list(line.get_xdata()) for line in axes["Reward"].get_lines()] == [[1, 2], [0]]
     assert "not logged: reward/trained_mean" in axes["Reward"].get_legend().get_title().get_text()
 
@@ -94,7 +96,8 @@ def test_report_of_a_crashed_run_skips_the_cut_line_and_names_absent_metrics(tmp
 def test_a_dir_without_metrics_is_one_sentence(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"rlx report: {tmp_path} has no metrics.jsonl: not a run dir, or a run that stopped before its first step"
+    assert err == (f"rlx report: {tmp_path} has no metrics.jsonl: not a run dir, or a run that stopped "
+                   "before its first step")
 
 
 def test_the_end_of_run_report_never_raises(tmp_path, capsys, monkeypatch):
