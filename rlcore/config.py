@@ -277,8 +277,9 @@ class JobConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
-# Keys that moved into a loss section (or were replaced): the old dotted key -> the new one (``rlcore/job.py`` refuses the
-# old ones with a sentence naming the new, from a job file and from an override alike).
+# Keys that moved into a loss section, or were replaced: the old dotted key -> the new one
+# (``rlcore/job.py`` refuses the old ones with a sentence naming the new, from a job file and from an
+# override alike).
 MOVED_KEYS = {**{f"actor.{f.name}": f"actor.loss.{f.name}" for f in dataclasses.fields(LossConfig)},
               **{f"critic.{f.name}": f"critic.loss.{f.name}" for f in dataclasses.fields(CriticLossConfig)},
               "trainer.tensorboard": "trainer.logger (a list, e.g. [console,jsonl,tensorboard])"}
