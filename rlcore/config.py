@@ -248,7 +248,18 @@ class TrainerConfig:
     total_steps: int = 10
     seed: int = 1
     run_dir: str = "runs/default"
-    tensorboard: bool = True
+    # Where every step's metrics go (rlcore/loggers/): console (a progress bar and one line per step),
+    # jsonl (<run_dir>/metrics.jsonl), tensorboard (<run_dir>/tensorboard), wandb, mlflow (the extras
+    # rlx[wandb], rlx[mlflow]). metrics.jsonl is written whether listed or not: resume trims it and
+    # `rlx report` draws <run_dir>/report.png from it at the end of every run.
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
+    project_name: str = "rlx"  # the W&B project and the MLflow experiment (verl's key)
+    experiment_name: Optional[str] = None  # the W&B / MLflow run name; None: run_dir's folder name
+    # online | offline | disabled; None: WANDB_MODE from the environment (else wandb's default, online).
+    # offline: no network, the run stays under <run_dir>/wandb for a later `wandb sync`.
+    wandb_mode: Optional[str] = None
+    # None: MLFLOW_TRACKING_URI from the environment, else a file store file:<run_dir>/mlruns.
+    mlflow_tracking_uri: Optional[str] = None
     val_every: int = 0  # greedy validation on data.val_files every N steps (and before step 1); 0: never
     # Pipelined phases (rlcore/rollout_queue.py): 0 = synchronous (sample, train, sync); K > 0 = the
     # next K batches generate and are scored while the actor trains, so step k trains on a batch made
@@ -285,10 +296,12 @@ class JobConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
-# Keys that moved into a loss section: the old dotted key -> the new one (``rlcore/job.py`` refuses the
-# old ones with a sentence naming the new, from a job file and from an override alike).
+# Keys that moved into a loss section, or were replaced: the old dotted key -> the new one
+# (``rlcore/job.py`` refuses the old ones with a sentence naming the new, from a job file and from an
+# override alike).
 MOVED_KEYS = {**{f"actor.{f.name}": f"actor.loss.{f.name}" for f in dataclasses.fields(LossConfig)},
-              **{f"critic.{f.name}": f"critic.loss.{f.name}" for f in dataclasses.fields(CriticLossConfig)}}
+              **{f"critic.{f.name}": f"critic.loss.{f.name}" for f in dataclasses.fields(CriticLossConfig)},
+              "trainer.tensorboard": "trainer.logger (a list, e.g. [console,jsonl,tensorboard])"}
 
 
 def on_policy_update(cfg: JobConfig) -> bool:

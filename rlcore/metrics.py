@@ -1,23 +1,15 @@
-"""Per-step metrics: a JSON-lines file, TensorBoard scalars, a progress bar with a one-line summary."""
+"""Per-step metrics: ``MetricsLogger`` hands every step's metrics to the loggers that trainer.logger
+lists (rlcore/loggers/: console, jsonl, tensorboard, wandb, mlflow); ``timer`` times a phase."""
 from __future__ import annotations
 
-import json
-import math
 import os
+import sys
 import time
-from typing import Any, Mapping, MutableMapping, Optional
+from typing import Any, Mapping, MutableMapping, Optional, Sequence
 
-from tqdm import tqdm
+from rlcore.loggers import LOGGERS, LoggerContext, check_loggers, flatten
 
-# What the one-line summary shows, in order: (metric key, label, format).
-SUMMARY_FIELDS = (
-    ("reward/mean", "reward", "{:.3f}"),
-    ("actor/pg_loss", "pg_loss", "{:+.4f}"),
-    ("actor/kl_ref", "kl_ref", "{:.4f}"),
-    ("rollout/logprob_diff_max", "lp_diff_max", "{:.3g}"),
-    ("timing/step_s", "step", "{:.1f}s"),
-    ("val/reward_mean", "val_reward", "{:.3f}"),
-)
+DEFAULT_LOGGERS = ("console", "jsonl", "tensorboard")
 
 
 def _scalar(key: str, value: Any) -> float:
@@ -30,54 +22,66 @@ def _scalar(key: str, value: Any) -> float:
 
 
 class MetricsLogger:
-    """Writes every step's metrics to ``<run_dir>/metrics.jsonl`` (one flushed line per step) and,
-    optionally, TensorBoard scalars under ``<run_dir>/tensorboard``; advances a progress bar."""
+    """Runs the named loggers together. ``jsonl`` (``<run_dir>/metrics.jsonl``) is always among them,
+    listed or not: resume trims it and ``rlx report`` reads it; it is written first, so a tracker that
+    fails mid-step cannot lose the step's record."""
 
-    def __init__(self, run_dir: str, total_steps: int, tensorboard: bool = True):
-        os.makedirs(run_dir, exist_ok=True)
-        self.run_dir = run_dir
-        self.total_steps = total_steps
-        # Append: a resumed run continues the same file.
-        self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8")
-        self._writer = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when wanted
+    def __init__(self, ctx: LoggerContext, names: Sequence[str] = DEFAULT_LOGGERS):
+        check_loggers(names, ctx.wandb_mode)
+        os.makedirs(ctx.run_dir, exist_ok=True)
+        self.ctx = ctx
+        self.names = ["jsonl", *(n for n in names if n != "jsonl")]
+        self.loggers = []
+        try:
+            for name in self.names:
+                self.loggers.append(LOGGERS[name](ctx))
+        except BaseException:
+            self.close(failed=True)  # the ones already open
+            raise
 
-            self._writer = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"))
-        self._bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True)
+    @classmethod
+    def for_job(cls, cfg, start_step: int = 0) -> "MetricsLogger":
+        """The loggers of a job spec (``rlcore.config.JobConfig``): its trainer.logger, names and
+        modes, and the spec itself as the trackers' config. ``start_step``: the step a resumed run
+        continues after (0: fresh)."""
+        from omegaconf import OmegaConf
+
+        t = cfg.trainer
+        spec = OmegaConf.structured(cfg)
+        ctx = LoggerContext(run_dir=t.run_dir, total_steps=t.total_steps, start_step=start_step,
+                            project=t.project_name,
+                            experiment=t.experiment_name or os.path.basename(os.path.normpath(t.run_dir)),
+                            config=flatten(OmegaConf.to_container(spec)), spec_yaml=OmegaConf.to_yaml(spec),
+                            wandb_mode=t.wandb_mode, mlflow_tracking_uri=t.mlflow_tracking_uri)
+        return cls(ctx, t.logger)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         values = {key: _scalar(key, value) for key, value in metrics.items()}
-        # NaN/inf are written as Python's json does (NaN, Infinity): a diverged loss must stay visible.
-        self._jsonl.write(json.dumps({"step": step, **values}) + "\n")
-        self._jsonl.flush()
-        if self._writer is not None:
-            for key, value in values.items():
-                self._writer.add_scalar(key, value, global_step=step)
-            self._writer.flush()
-        # Set the bar to the step (not +1) so a resumed run starts where it left off.
-        self._bar.update(step - self._bar.n)
-        tqdm.write(self.summary(step, values))
+        for logger in self.loggers:
+            logger.log(step, values)
 
-    def summary(self, step: int, values: Mapping[str, float]) -> str:
-        parts = [f"step {step}/{self.total_steps}"]
-        for key, label, fmt in SUMMARY_FIELDS:
-            if key in values:
-                value = values[key]
-                parts.append(f"{label} {fmt.format(value) if math.isfinite(value) else value}")
-        return " | ".join(parts)
-
-    def close(self) -> None:
-        self._bar.close()
-        if self._writer is not None:
-            self._writer.close()
-        self._jsonl.close()
+    def close(self, failed: Optional[bool] = None) -> None:
+        """``failed`` None: whether an exception is propagating (close runs in the trainer's finally),
+        so a tracker marks a crashed run as failed."""
+        if failed is None:
+            failed = sys.exc_info()[0] is not None
+        errors = []
+        for logger in reversed(self.loggers):  # each one closes even if another fails to
+            try:
+                logger.close(failed)
+            except Exception as e:  # noqa: BLE001 - reported below, after the others closed
+                errors.append(e)
+        self.loggers = []
+        if errors and not failed:
+            raise errors[0]
+        for e in errors if failed else ():  # never masks the run's own error
+            print(f"metrics: a logger failed to close: {e}", file=sys.stderr)
 
     def __enter__(self) -> "MetricsLogger":
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        self.close(failed=exc[0] is not None)
 
 
 class Timer:

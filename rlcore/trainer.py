@@ -67,7 +67,7 @@ class Trainer:
         history = []
         # Before the logger opens metrics.jsonl: resuming drops the lines of steps it will redo.
         start = self.resume()  # the step to continue after; 0 on a fresh start
-        logger = MetricsLogger(t.run_dir, t.total_steps, t.tensorboard)
+        logger = MetricsLogger.for_job(self.cfg, start)
         try:
             if self.val_set is not None and t.val_every and start == 0:
                 logger.log(0, self.validate())

@@ -17,6 +17,7 @@ from rlcore.job import ConfigError
 from rlcore.nonfinite import POLICIES as NONFINITE_POLICIES
 from rlcore.layout import (INHERITED, RoleLayout, RolloutLayout, check_micro_batches, check_model_split,
                            check_rollout_split)
+from rlcore.loggers import check_loggers
 from rlcore.reward import RewardError, load_reward_fn
 from rlcore.weight_sync import TRANSPORTS
 
@@ -409,6 +410,10 @@ def _check_names(cfg: JobConfig) -> None:
         choices.append(("critic.loss_agg_mode", cfg.critic.loss_agg_mode, algos.AGG_MODES))
     for key, value, valid in choices:
         _one_of(key, value, valid)
+    try:  # unknown names, and a logger whose package is not installed: before anything starts
+        check_loggers(cfg.trainer.logger, cfg.trainer.wandb_mode)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
 
 
 def _resolve_device(device: str) -> str:

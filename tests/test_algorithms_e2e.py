@@ -55,7 +55,7 @@ def quickstart_trainer(tiny_assets):
     model, data = tiny_assets
     cfg = load_job("yaml_configs/quickstart_cpu.yaml", [
         f"model.path={model}", f"data.train_files=[{data}]", "data.val_files=[]", "trainer.val_every=0",
-        "trainer.tensorboard=false", "data.batch_size=4", "rollout.n=4", "actor.micro_batch_size=8"])
+        "trainer.logger=[console,jsonl]", "data.batch_size=4", "rollout.n=4", "actor.micro_batch_size=8"])
     trainer = None
     try:
         trainer = build_trainer(cfg, validate(cfg))

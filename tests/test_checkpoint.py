@@ -110,13 +110,14 @@ TIMING = "timing/"
 
 
 SPEC = "yaml_configs/quickstart_cpu.yaml"
+MLFLOW = "trainer.logger=[console,jsonl,mlflow]"  # the resumed run must continue the same MLflow run
 
 
 def _overrides(model, data, run_dir, *extra) -> list[str]:
     # The quickstart, smaller: 8 prompts x 8 samples per step, no validation.
     return [f"model.path={model}", f"data.train_files=[{data}]", "data.val_files=[]", "data.batch_size=8",
             "rollout.n=8", f"trainer.run_dir={run_dir}", f"trainer.total_steps={STEPS}", "trainer.val_every=0",
-            "trainer.tensorboard=false", *extra]
+            "trainer.logger=[console,jsonl]", *extra]
 
 
 def _train_cmd(model, data, run_dir, *extra):
@@ -155,7 +156,7 @@ def reference_run(assets, tmp_path_factory):
 
 
 @pytest.mark.e2e
-def test_sigkill_mid_step_then_resume_auto_reproduces_the_run(assets, reference_run, tmp_path):
+def test_sigkill_mid_step_then_resume_auto_reproduces_the_run(assets, reference_run, tmp_path, monkeypatch):
     """SIGKILL during step 3 (checkpoint of step 2 complete), then `rlx train` again with the default
     resume=auto: steps 3-4 equal the uninterrupted run's EXACTLY (every non-timing metric, max |diff|
     == 0). Why exact: the restored state is bitwise the saved one (model, Adam moments and step, lr
@@ -167,7 +168,7 @@ def test_sigkill_mid_step_then_resume_auto_reproduces_the_run(assets, reference_
     latest = run_dir / "checkpoints" / LATEST
     log = tmp_path / "killed_run.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(_train_cmd(model, data, run_dir, "trainer.save_every=1"), cwd=REPO,
+        proc = subprocess.Popen(_train_cmd(model, data, run_dir, "trainer.save_every=1", MLFLOW), cwd=REPO,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 600
@@ -184,7 +185,7 @@ def test_sigkill_mid_step_then_resume_auto_reproduces_the_run(assets, reference_
             pass
     assert max(_metrics(run_dir)) <= 3, "killed after step 3 ended"
 
-    resumed = subprocess.run(_train_cmd(model, data, run_dir), cwd=REPO, capture_output=True, text=True,
+    resumed = subprocess.run(_train_cmd(model, data, run_dir, MLFLOW), cwd=REPO, capture_output=True, text=True,
                              timeout=900)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-6000:]
     assert "checkpoint: resumed from" in resumed.stdout and "step_00000002" in resumed.stdout
@@ -192,6 +193,16 @@ def test_sigkill_mid_step_then_resume_auto_reproduces_the_run(assets, reference_
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
         assert _max_diff(got[step], want[step]) == 0.0, (step, got[step], want[step])
+    # The MLflow run continues across the kill: one run, each step once, metrics.jsonl's values.
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # for this process's reader (the runs set their own)
+    client = MlflowClient(tracking_uri=f"file:{run_dir}/mlruns")
+    run = client.get_run(json.loads((run_dir / "mlflow_run.json").read_text())["id"])
+    assert len(client.search_runs([run.info.experiment_id])) == 1 and run.info.status == "FINISHED"
+    history = client.get_metric_history(run.info.run_id, "actor/pg_loss")
+    assert sorted(m.step for m in history) == list(range(1, STEPS + 1))
+    assert {m.step: m.value for m in history} == {step: got[step]["actor/pg_loss"] for step in got}
 
 
 @pytest.fixture(scope="module")

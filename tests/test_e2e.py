@@ -130,6 +130,7 @@ def test_quickstart_steps_end_to_end_until_the_reward_function_raises(tmp_path):
 
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [0, 1, 2]  # step 3 never logged
+    assert (run_dir / "report.png").stat().st_size > 0  # the end-of-run report, drawn after the failure too
     train = lines[1:]
     required = ["reward/mean", "response_length/mean", "actor/pg_loss", "actor/ppo_kl", "actor/clip_frac",
                 "actor/entropy", "actor/kl_ref", "actor/grad_norm", "rollout/logprob_diff_max",

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.e2e
 
 
 def _train(spec: str, run_dir, model: str, data: str, *overrides: str) -> list[dict]:
-    return train_cli(spec, run_dir, model, data, "trainer.tensorboard=false", *overrides)
+    return train_cli(spec, run_dir, model, data, "trainer.logger=[console,jsonl]", *overrides)
 
 
 def _mean(rows: list[dict], key: str) -> float:

@@ -120,7 +120,7 @@ def test_a_grpo_step_keeps_engine_and_trainer_in_agreement(smollm2, math_data, t
     cfg = load_job(SPEC, [
         f"model.path={smollm2}", f"data.train_files=[{train_path}]", f"data.val_files=[{val_path}]",
         "data.batch_size=2", "rollout.n=4", "rollout.max_response_length=8", "actor.micro_batch_size=4",
-        "trainer.total_steps=1", "trainer.val_every=0", "trainer.tensorboard=false",
+        "trainer.total_steps=1", "trainer.val_every=0", "trainer.logger=[console,jsonl]",
         f"trainer.run_dir={tmp_path / 'run'}", "resources.num_cpus=2"])
     layout = validate(cfg)
     assert (layout.actor.tp, layout.actor.pp, layout.reference) == (1, 2, None)
