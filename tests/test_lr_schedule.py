@@ -126,7 +126,7 @@ def test_the_critic_schedule_is_checked():
 E2E_SCHEDULE = ["data.batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=2",  # 2 optimizer steps a step
                 "actor.micro_batch_size=4", "actor.optim.lr=1e-5", "actor.optim.lr_warmup_steps=2",
                 "actor.optim.lr_decay_style=cosine",
-                "actor.optim.min_lr=1e-6", "trainer.total_steps=4", "trainer.tensorboard=false"]
+                "actor.optim.min_lr=1e-6", "trainer.total_steps=4", "trainer.logger=[console,jsonl]"]
 
 
 @pytest.mark.e2e
