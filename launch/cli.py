@@ -18,6 +18,7 @@ import sys
 
 from rlcore.checkpoint import CheckpointError
 from rlcore.data import DataError
+from rlcore.faults import RunStopped
 from rlcore.job import ConfigError, load_job
 from rlcore.validate import JobLayout, for_another_machine, validate
 from rlcore.reward import RewardError
@@ -163,9 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         f.write(_to_yaml(cfg))
     try:
         history = run(cfg, layout)
-    except (DataError, RewardError, CheckpointError, SamplingError) as e:
+    except (DataError, RewardError, CheckpointError, SamplingError, RunStopped) as e:
         # The user's data, reward function or checkpoint (or a batch dynamic sampling could not
-        # fill), not a bug here: one line, no traceback. Every step
+        # fill, or a process of the run that died), not a bug here: one line, no traceback. Every step
         # finished before it is already in metrics.jsonl.
         print(f"rlx train: {e}", file=sys.stderr)
         return 1
