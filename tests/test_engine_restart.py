@@ -130,6 +130,38 @@ def test_with_no_restarts_allowed_a_dead_engine_stops_the_run_with_one_sentence(
 
 
 @pytest.mark.e2e
+def test_an_engine_dying_in_a_generation_ahead_is_refused_with_one_sentence(tiny_assets, tmp_path):
+    """trainer.off_policy_steps=1: batch 2 generates on the producer thread while step 1 trains; its
+    engine's death cannot be redone there (the actor has moved past version 0) and stops the run."""
+    import ray
+
+    from launch.compose import build_trainer
+    from rlcore.faults import EngineDied
+
+    model, data = tiny_assets
+    run_dir = tmp_path / "run"
+    cfg, layout = _job(model, data, run_dir, "trainer.total_steps=3", "trainer.off_policy_steps=1",
+                       "rollout.sync_timeout_s=20")
+    trainer = None
+    try:
+        trainer = build_trainer(cfg, layout)
+        _kill_engine_before(trainer.rollout, "generate", 2, [])
+        with pytest.raises(EngineDied) as err:
+            trainer.fit()
+    finally:
+        if trainer is not None:
+            trainer.shutdown()
+        ray.shutdown()
+    assert str(err.value) == (
+        "rollout engine 0 died during generation ahead of its step (its process exited) while the actor trained "
+        "(trainer.off_policy_steps > 0), so the weights its batch needs are gone and it is not restarted: "
+        "stopping, the last checkpoint is intact"), str(err.value)
+    # Step 1's sync found the engine dead and restarted it (the trainer's thread may); step 2 never ran.
+    lines = _metrics(run_dir)
+    assert [x["step"] for x in lines] == [1] and lines[0]["rollout/engine_restarts"] == 1.0
+
+
+@pytest.mark.e2e
 def test_a_killed_megatron_rank_is_one_sentence_naming_role_and_rank(ray_pools, qwen2_untied):
     import ray
     import torch
