@@ -16,14 +16,25 @@ actor trains meanwhile, so the weights its version needs are gone; that death st
 from __future__ import annotations
 
 import threading
+from typing import Protocol
 
 from rlcore.config import RolloutConfig
 from rlcore.faults import EngineDied
+from rlcore.roles import Generator
 from rlcore.weight_sync import WeightReceiver, WeightSender, connect_weight_sync, sync_weights
 
 
+class RestartableEngines(Generator, WeightReceiver, Protocol):
+    """The rollout pool as the policy sees it: it generates, receives weights and restarts an engine."""
+
+    def restart_engine(self, engine: int) -> None:
+        """A new engine ``engine`` on the dead one's bundles, from the model folder (version 0)."""
+
+
 class EngineRestarts:
-    def __init__(self, actor: WeightSender, rollout: WeightReceiver, cfg: RolloutConfig):
+    """The trainer's way to the engines: ``generate`` and ``sync_weights``, redone after a restart."""
+
+    def __init__(self, actor: WeightSender, rollout: RestartableEngines, cfg: RolloutConfig):
         self.actor, self.rollout, self.cfg = actor, rollout, cfg
         self.restarts = 0  # in this run (this process): rollout/engine_restarts
         self.version = 0  # the weight version every engine holds: the last completed sync's

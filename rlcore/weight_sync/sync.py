@@ -73,7 +73,7 @@ def await_members(senders: WeightSender, sender_refs: list, engine_refs: list, w
     ``WeightSyncError`` naming it and the cause, and so is one that had not finished in time."""
     import ray
 
-    role = getattr(senders, "role", "actor")
+    role = senders.role
     members = [(f"{role} rank {i}", ref) for i, ref in enumerate(sender_refs)] + \
               [(f"rollout engine {e}", ref) for e, ref in enumerate(engine_refs)]
     index = {ref: i for i, (_, ref) in enumerate(members)}
