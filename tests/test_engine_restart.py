@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -56,37 +57,42 @@ def _kill_engine_before(pool, method: str, call: int, killed: list) -> None:
 
 
 def _metrics(run_dir) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.e2e
-def test_a_killed_engine_is_restarted_and_every_step_completes(tiny_assets, tmp_path):
+def _train(cfg, layout, kills=()) -> tuple[list[dict], list[int], list[int]]:
+    """Trains ``cfg`` to the end with engine 0 SIGKILLed before each (pool method, call number) of
+    ``kills``; returns its metrics lines, the killed pids and the engines' pids at the end."""
     import ray
 
     from launch.compose import build_trainer
 
-    model, data = tiny_assets
-    run_dir = tmp_path / "run"
-    # A short sync timeout: the death during a sync leaves the senders waiting for the dead peer
-    # until their collectives time out.
-    cfg, layout = _job(model, data, run_dir, "trainer.total_steps=3", "rollout.sync_timeout_s=20")
     trainer, killed = None, []
     try:
         trainer = build_trainer(cfg, layout)
-        pool = trainer.rollout
-        # generate: call 1 is step 1's, call 2 step 2's. receive_weights: 1 is step 1's sync, 2 the
-        # restart's re-sync (version 1 again), 3 step 2's sync.
-        _kill_engine_before(pool, "generate", 2, killed)
-        _kill_engine_before(pool, "receive_weights", 3, killed)
-        history = trainer.fit()
-        pids_after = pool.pids()
+        for method, call in kills:
+            _kill_engine_before(trainer.rollout, method, call, killed)
+        trainer.fit()
+        pids_after = trainer.rollout.pids()
     finally:
         if trainer is not None:
             trainer.shutdown()
         ray.shutdown()
+    return _metrics(cfg.trainer.run_dir), killed, pids_after
+
+
+@pytest.mark.e2e
+def test_a_killed_engine_is_restarted_and_every_step_completes(tiny_assets, tmp_path):
+    model, data = tiny_assets
+    # A short sync timeout: the death during a sync leaves the senders waiting for the dead peer
+    # until their collectives time out.
+    steps = ("trainer.total_steps=3", "rollout.sync_timeout_s=20")
+    # generate: call 1 is step 1's, call 2 step 2's. receive_weights: 1 is step 1's sync, 2 the
+    # restart's re-sync (version 1 again), 3 step 2's sync.
+    lines, killed, pids_after = _train(*_job(model, data, tmp_path / "killed", *steps),
+                                       kills=[("generate", 2), ("receive_weights", 3)])
     assert len(killed) == 2 and killed[0] != killed[1] and pids_after[0] not in killed
-    lines = _metrics(run_dir)
-    assert [x["step"] for x in lines] == [1, 2, 3] and len(history) == 3
+    assert [x["step"] for x in lines] == [1, 2, 3]
     assert [x["rollout/engine_restarts"] for x in lines] == [0.0, 2.0, 2.0]  # both in step 2
     # The version survives the restarts: step k samples from version k-1 and syncs version k.
     assert [x["rollout/weight_version"] for x in lines] == [0.0, 1.0, 2.0]
@@ -94,6 +100,16 @@ def test_a_killed_engine_is_restarted_and_every_step_completes(tiny_assets, tmp_
     # Step 2 sampled on the engine restarted with version 1, step 3 on the one restarted in step 2's sync.
     for x in lines:
         assert x["rollout/logprob_diff_max"] < 1e-3, (x["step"], x["rollout/logprob_diff_max"])
+
+    # The redone generation drew the samples the step would have drawn anyway (same prompts, seeds and
+    # weights): the run's metrics are the uninterrupted run's.
+    uninterrupted, _, _ = _train(*_job(model, data, tmp_path / "uninterrupted", *steps))
+    assert [x["step"] for x in uninterrupted] == [1, 2, 3]
+    for got, want in zip(lines, uninterrupted):
+        for key in want:
+            if key.startswith("timing/") or key == "rollout/engine_restarts":
+                continue
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (got["step"], key)
 
 
 @pytest.mark.e2e
