@@ -218,3 +218,36 @@ def test_rlx_train_prints_a_dead_process_as_one_line_and_exits_1(tiny_assets, tm
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and err == ["rlx train: the actor's Megatron rank 1 died during forward; the run stops here "
                                  "and the last checkpoint is intact (nothing was written after the death)"], err
+
+
+def test_a_weight_sync_peer_that_never_comes_is_an_error_within_the_links_timeout():
+    """The link's timeout bounds joining the group and every collective: a member waiting for one
+    that vanished gets an error after it, not a hang (gloo, the cpu profile's backend)."""
+    import socket
+    import threading
+
+    from rlcore.weight_sync import StageLink, WeightSyncGroup
+
+    def link() -> StageLink:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        return StageLink(0, "127.0.0.1", port, writers=1, receivers=1, transport="broadcast", timeout_s=2.0)
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="waiting for clients. 1/2 clients joined"):  # rank 1 never joins
+        WeightSyncGroup.join(link(), 0)
+    assert time.monotonic() - t0 < 30
+
+    both, groups = link(), [None, None]
+    threads = [threading.Thread(target=lambda r=r: groups.__setitem__(r, WeightSyncGroup.join(both, r)))
+               for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert all(g is not None for g in groups)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="Timed out waiting 2000ms"):
+        groups[1].barrier()  # rank 0 never posts its part
+    assert time.monotonic() - t0 < 30
