@@ -19,6 +19,7 @@ import sys
 
 from rlcore.checkpoint import CheckpointError
 from rlcore.data import DataError
+from rlcore.faults import RunStopped
 from rlcore.job import ConfigError, load_job
 from rlcore.validate import JobLayout, for_another_machine, validate
 from rlcore.reward import RewardError
@@ -167,7 +168,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from launch.compose import run
-    from rlcore.nonfinite import NonFiniteError
     from rlcore.trainer import SamplingError
 
     os.makedirs(cfg.trainer.run_dir, exist_ok=True)
@@ -179,9 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     open_run_logs(cfg.trainer.run_dir)  # every process's full output under run_dir/logs/, a quiet console
     try:
         history = run(cfg, layout)
-    except (DataError, RewardError, CheckpointError, SamplingError, NonFiniteError) as e:
+    except (DataError, RewardError, CheckpointError, SamplingError, RunStopped) as e:
         # The user's data, reward function or checkpoint (or a batch dynamic sampling could not
-        # fill), not a bug here: one line, no traceback. Every step
+        # fill, or a process of the run that died), not a bug here: one line, no traceback. Every step
         # finished before it is already in metrics.jsonl.
         print(f"rlx train: {e}", file=sys.stderr)
         return 1

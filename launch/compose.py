@@ -95,7 +95,7 @@ def build_roles(cfg: JobConfig, layout: JobLayout) -> Roles:
         roles.rollout = RolloutPool(cfg.model.path, cfg.rollout, pools.placement("rollout"), layout.device,
                                     layout.dtype, seed, max_model_len=max_model_len, threads=threads["rollout"])
         connect_weight_sync(roles.actor, roles.rollout, cfg.rollout.engines, cfg.rollout.bucket_mb * 1024 ** 2,
-                            layout.dtype, cfg.rollout.weight_transport)
+                            layout.dtype, cfg.rollout.weight_transport, timeout_s=cfg.rollout.sync_timeout_s)
     except BaseException:
         roles.shutdown()
         raise

@@ -6,12 +6,17 @@ the last PP stage's TP rank 0 of each DP replica. It implements ``rlcore.roles.F
 when its spec has an optimizer, ``TrainableRole``. Rank order is megatron's default (tp-cp-ep-dp-pp:
 TP fastest, then DP, then PP); the group does not rely on it, it asks each rank for its coordinates
 after ``init``.
+
+A rank whose process dies ends the call with ``rlcore.faults.RankDied`` naming the role and the rank
+(one sentence for the CLI), not Ray's traceback, and without waiting for its peers (they would wait
+in a collective for it until Megatron's timeout).
 """
 from __future__ import annotations
 
 import torch
 
 from rlcore.batch import Batch
+from rlcore.faults import RankDied
 from rlcore.layout import check_micro_batches, check_model_split
 from rlcore.placement import RolePlacement
 from rlcore.roles import RoleSpec, UpdateResult
@@ -19,6 +24,8 @@ from rlcore.roles import RoleSpec, UpdateResult
 from .engine import MegatronEngine
 from .heads import HEADS
 from .model import read_hf_config
+
+DEATH_GRACE_S = 10.0  # after one rank's error, how long the others may take to show a death instead
 
 
 class MegatronGroup:
@@ -40,6 +47,7 @@ class MegatronGroup:
         self.workers = [engine_cls.options(**placement.actor_options(i)).remote(spec, i)
                         for i in range(spec.world_size)]
         try:
+            # Plain ray.get: an actor that failed to start is an ActorDiedError carrying its traceback.
             master_addr, master_port = ray.get(self.workers[0].node_ip_and_free_port.remote())
             # initialize_model_parallel is collective: every rank must be inside init at once.
             coords = ray.get([w.init.remote(master_addr, master_port) for w in self.workers])
@@ -57,6 +65,31 @@ class MegatronGroup:
         self._coords = coords
         self._weight_sync_ready = False
 
+    def _get(self, refs: list, what: str, ranks: list[int] | None = None) -> list:
+        """``ray.get(refs)``, the refs of ranks ``ranks`` (default: one per rank, in rank order), except
+        that a rank whose process died is ``RankDied``, raised as soon as Ray reports it. A rank's
+        other error is raised once every rank is done or, since its peers may then wait in a
+        collective for it, ``DEATH_GRACE_S`` later (a peer's death often shows up first as such an error)."""
+        import ray
+
+        ranks = list(range(len(refs))) if ranks is None else ranks
+        index = {ref: i for i, ref in enumerate(refs)}
+        results, pending, error = [None] * len(refs), list(refs), None
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=None if error is None else DEATH_GRACE_S)
+            if not ready:
+                raise error
+            for ref in ready:
+                try:
+                    results[index[ref]] = ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    raise RankDied(self.role, ranks[index[ref]], what) from None
+                except Exception as e:
+                    error = error or e
+        if error is not None:
+            raise error
+        return results
+
     # ------------------------------------------------------------------------------------- compute
     def _run_sharded(self, method: str, batch: Batch, *args) -> list:
         """Calls ``method(shard, *args)`` on every rank with its DP shard (one ray.put per shard);
@@ -68,8 +101,8 @@ class MegatronGroup:
             check_micro_batches(s.name, s, "the batch", batch.size, f"{s.name}.micro_batch_size",
                                 s.micro_batch_size, f"{s.name}.vpp")
         shards = [ray.put(batch.shard(d, self.dp)) for d in range(self.dp)]
-        results = ray.get([getattr(w, method).remote(shards[d], *args)
-                           for w, d in zip(self.workers, self._dp_rank)])
+        results = self._get([getattr(w, method).remote(shards[d], *args)
+                             for w, d in zip(self.workers, self._dp_rank)], method)
         return [results[self._reporter[d]] for d in range(self.dp)]
 
     def forward(self, batch: Batch, **head_args) -> dict[str, torch.Tensor]:
@@ -107,22 +140,16 @@ class MegatronGroup:
     def save_checkpoint(self, path: str) -> None:
         """Writes this role's megatron-core distributed checkpoint (model, and optimizer + lr scheduler
         when it trains) into the folder ``path``; every rank writes its shards."""
-        import ray
-
-        ray.get([w.save_checkpoint.remote(path) for w in self.workers])
+        self._get([w.save_checkpoint.remote(path) for w in self.workers], "a checkpoint save")
 
     def load_checkpoint(self, path: str, with_optimizer: bool = True) -> None:
         """Loads a checkpoint written by ``save_checkpoint`` under any TP/PP layout into this group."""
-        import ray
-
-        ray.get([w.load_checkpoint.remote(path, with_optimizer) for w in self.workers])
+        self._get([w.load_checkpoint.remote(path, with_optimizer) for w in self.workers], "a checkpoint load")
 
     # ------------------------------------------------------------------------------ full weights
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """All weights as full HF-named tensors (CPU, the model's dtype), gathered over TP and PP."""
-        import ray
-
-        results = ray.get([w.hf_state_dict.remote() for w in self.workers])
+        results = self._get([w.hf_state_dict.remote() for w in self.workers], "a weight gather")
         out = {}
         for s in self._senders:
             out.update(results[s])
@@ -132,25 +159,21 @@ class MegatronGroup:
     def weight_sync_plans(self, bucket_bytes: int, wire_dtype: str) -> list[list]:
         """One bucket plan (list of rlcore.weight_sync.Bucket) per PP stage, in stage order; every rank
         of DP replica 0 keeps its stage's plan for ``send_weights``."""
-        import ray
-
-        plans = ray.get([w.weight_sync_plan.remote(bucket_bytes, wire_dtype) for w in self.workers])
+        plans = self._get([w.weight_sync_plan.remote(bucket_bytes, wire_dtype) for w in self.workers],
+                          "the weight-sync planning")
         self._weight_sync_ready = False  # a new plan needs receivers that know it: init again
         return [plans[s] for s in self._senders]
 
     def node_ips(self) -> list[str]:
         """The node IP of every rank (the weight-sync transport depends on where they are)."""
-        import ray
-
-        return [ip for ip, _ in ray.get([w.node_ip_and_free_port.remote() for w in self.workers])]
+        return [ip for ip, _ in self._get([w.node_ip_and_free_port.remote() for w in self.workers], "a node query")]
 
     def weight_sync_links(self, transport: str, receivers: int) -> list:
         """Each stage sender's rlcore.weight_sync.StageLink for the registered ``transport`` (made now,
         with whatever the members must find when they join), in stage order; ``receivers`` ranks will
         join each group."""
-        import ray
-
-        return ray.get([self.workers[s].weight_sync_link.remote(transport, receivers) for s in self._senders])
+        return self._get([self.workers[s].weight_sync_link.remote(transport, receivers) for s in self._senders],
+                         "the weight-sync group setup", ranks=self._senders)
 
     def init_weight_sync(self, links: list) -> list:
         """Every rank joins its stage's group (those that are not writers return at once). The calls
@@ -174,9 +197,7 @@ class MegatronGroup:
 
     def peak_memory_mb(self) -> list[float]:
         """Each rank's peak resident memory (MiB), in rank order."""
-        import ray
-
-        return ray.get([w.peak_memory_mb.remote() for w in self.workers])
+        return self._get([w.peak_memory_mb.remote() for w in self.workers], "a memory query")
 
     def shutdown(self) -> None:
         import ray

@@ -74,6 +74,7 @@ class StageWeightSender:
         if not self.is_stage_sender:  # the stage sender made its writer in weight_sync_link
             self.close_weight_sync()  # an earlier link's
             self.writer = open_writer(link, self.tp_rank, self.plan)
+        self.writer.link = link  # the controller's copy of the one it made: it carries the sync timeout
         self.writer.join(self.backend, self.device)
 
     def close_weight_sync(self) -> None:

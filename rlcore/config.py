@@ -187,6 +187,17 @@ class RolloutConfig:
     # weights that a sync copies into in place, as on GPU (several times faster syncs, slower GEMMs)
     cpu_prepack: bool = True
     seed: int = 0
+    # A dead engine (its process killed, OOM) is restarted on its bundle, given the current weights
+    # (version unchanged) and its step's generation or sync redone; after this many restarts in one
+    # run (one `rlx train` process) the next death stops the run with a sentence; 0: the first does
+    max_engine_restarts: int = 3
+    # Seconds one engine call (a generation, a scoring pass) may take before the engine counts as
+    # hung: it is killed and restarted like a dead one (generous: a long generation is not a hang)
+    engine_timeout_s: float = 1800.0
+    # Seconds any weight-sync collective waits for a peer (gloo/NCCL group timeout, the shm transport's
+    # ready/done signals), and the controller for a whole group setup or sync: a peer that vanished
+    # is an error naming it, not a hang
+    sync_timeout_s: float = 600.0
 
 
 @dataclass

@@ -25,13 +25,15 @@ import os
 
 import torch
 
+from rlcore.faults import RunStopped
+
 POLICIES = ("stop", "skip")
 # Test-only: poison the actor's batch (advantages set to NaN) at this step, so the tests can drive a
 # real non-finite update through the engines. Never set it in a real run.
 POISON_ENV = "RLX_TEST_POISON_STEP"
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(RunStopped):
     """An update had a NaN/inf loss or gradient norm under trainer.on_nonfinite=stop."""
 
 

@@ -23,12 +23,12 @@ from rlcore.algos import (ADV_ESTIMATORS, AdvantageInputs, apply_kl_penalty, com
 from rlcore.batch import Batch, Trajectory, build_batch
 from rlcore.config import JobConfig, on_policy_update, resolved_critic
 from rlcore.data import PromptItem, Task
+from rlcore.engine_restarts import EngineRestarts
 from rlcore.metrics import MetricsLogger, timer
 from rlcore.nonfinite import NonFiniteGuard
 from rlcore.reward import RewardError, compute_rewards
 from rlcore.roles import Roles, UpdateResult
 from rlcore.rollout_queue import RolloutQueue, staleness
-from rlcore.weight_sync import sync_weights
 
 
 class SamplingError(RuntimeError):
@@ -56,6 +56,8 @@ class Trainer:
         self.kl_ctrl = kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon) if cfg.algorithm.kl_in_reward else None
         self.version = 0  # the engines start from the same HF checkpoint as the actor
         self.nonfinite = NonFiniteGuard(cfg.trainer.on_nonfinite, cfg.trainer.run_dir, roles.trainable())
+        # Generations and syncs go through it: a dead engine is restarted, re-synced, the call redone.
+        self.engines = EngineRestarts(self.actor, self.rollout, cfg.rollout)
         # Sampling inline (off_policy_steps 0) or ahead on a producer thread; weight syncs, validation
         # and checkpoints wait for it to go idle.
         self.rollouts = RolloutQueue(self.sample_batch, cfg.trainer.off_policy_steps, self.loader.state_dict,
@@ -120,7 +122,8 @@ class Trainer:
             self.sync_weights(self.version + 1)
         m.update(batch_metrics(batch, s.trajs, s.scores))
         m.update(self.nonfinite.metrics())
-        m.update({"weights/version": float(self.version), "timing/step_s": time.perf_counter() - t0})
+        m.update({"weights/version": float(self.version), "rollout/engine_restarts": float(self.engines.restarts),
+                  "timing/step_s": time.perf_counter() - t0})
         return m
 
     # ---------------------------------------------------------------------------------- phases
@@ -142,7 +145,7 @@ class Trainer:
         for draw in range(1, (ds.max_gen_batches if ds.enable else 1) + 1):
             drawn: list[PromptItem] = next(self.loader)
             with timer("rollout", m):
-                new = self.rollout.generate([p.prompt_ids for p in drawn], n=cfg.rollout.n,
+                new = self.engines.generate([p.prompt_ids for p in drawn], n=cfg.rollout.n,
                                             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                             top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.max_response_length,
                                             seed=cfg.trainer.seed * 100_003 + step + 1_000_000 * (draw - 1))
@@ -174,7 +177,7 @@ class Trainer:
         if not ADV_ESTIMATORS.meta(self.cfg.algorithm.adv_estimator).baseline_rollout:
             return s
         with timer("baseline_rollout", m):
-            greedy = self.rollout.generate([p.prompt_ids for p in s.prompts], n=1, temperature=0.0, top_p=1.0,
+            greedy = self.engines.generate([p.prompt_ids for p in s.prompts], n=1, temperature=0.0, top_p=1.0,
                                            top_k=-1, max_tokens=self.cfg.rollout.max_response_length)
             greedy_scores = self.score(s.prompts, greedy)[0] + self.shaping(greedy, {})
         m["reward/greedy_baseline_mean"] = greedy_scores.mean().item()
@@ -235,7 +238,7 @@ class Trainer:
 
     def sync_weights(self, version: int) -> None:
         """The actor's current weights to every rollout engine, as weight version ``version``."""
-        sync_weights(self.actor, self.rollout, version, check=self.cfg.rollout.check_weights)
+        self.engines.sync_weights(version)
         self.version = version
 
     # ---------------------------------------------------------------------------------- helpers
@@ -251,7 +254,7 @@ class Trainer:
         """Greedy accuracy (mean reward) on the validation prompts with the current weights."""
         items = list(self.val_set)
         self.rollouts.wait_idle()  # never next to a generation on the same engines
-        trajs = self.rollout.generate([p.prompt_ids for p in items], n=1, temperature=0.0, top_p=1.0, top_k=-1,
+        trajs = self.engines.generate([p.prompt_ids for p in items], n=1, temperature=0.0, top_p=1.0, top_k=-1,
                                       max_tokens=self.cfg.rollout.max_response_length)
         scores, _ = self.score(items, trajs)
         return {"val/reward_mean": scores.mean().item()}

@@ -223,6 +223,8 @@ def _check_ranges(cfg: JobConfig) -> None:
         "rollout.max_response_length": cfg.rollout.max_response_length,
         "rollout.temperature": cfg.rollout.temperature,
         "rollout.bucket_mb": cfg.rollout.bucket_mb,
+        "rollout.engine_timeout_s": cfg.rollout.engine_timeout_s,
+        "rollout.sync_timeout_s": cfg.rollout.sync_timeout_s,
         "actor.tp": cfg.actor.tp,
         "actor.pp": cfg.actor.pp,
         "actor.vpp": cfg.actor.vpp,
@@ -252,6 +254,7 @@ def _check_ranges(cfg: JobConfig) -> None:
         "trainer.off_policy_steps": cfg.trainer.off_policy_steps,
         "trainer.save_every": cfg.trainer.save_every,
         "trainer.keep_last": cfg.trainer.keep_last,
+        "rollout.max_engine_restarts": cfg.rollout.max_engine_restarts,
     }
     for key, value in non_negative.items():
         if value < 0:

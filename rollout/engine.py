@@ -140,6 +140,11 @@ class VLLMEngine:
         self._sync_ready = False
 
     # ------------------------------------------------------------------ sampling
+    @staticmethod
+    def pid() -> int:
+        """This engine's process id (the engine core runs in it; tests kill it by this)."""
+        return os.getpid()
+
     def version(self) -> int:
         """The weight-sync version of the weights now loaded (0: the checkpoint the engine started from)."""
         return self._version
@@ -201,14 +206,13 @@ class VLLMEngine:
 
         return ray.util.get_node_ip_address()
 
-    def init_weight_sync(self, links: list[StageLink], ranks: list[int], plans: list[list[Bucket]],
-                         timeout_s: float = 600.0) -> list[int]:
+    def init_weight_sync(self, links: list[StageLink], ranks: list[int], plans: list[list[Bucket]]) -> list[int]:
         """Joins one weight-sync group per actor PP stage ``s`` (``links[s]``): ``ranks[s]`` is this
         engine's rank there (its vLLM worker w takes ``ranks[s] + w``), ``plans[s]`` the stage's
-        buckets. Blocks until every member of every group has joined. A second call replaces the
-        groups (a new actor or plan)."""
+        buckets. Blocks until every member of every group has joined (at most each link's
+        ``timeout_s``). A second call replaces the groups (a new actor or plan, a restarted engine)."""
         out = self.llm.collective_rpc("rlx_init_weight_sync", args=(
-            list(links), list(ranks), plans, BACKENDS[self.profile], timeout_s))
+            list(links), list(ranks), plans, BACKENDS[self.profile]))
         self._sync_ready = True
         return out[0]
 

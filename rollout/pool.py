@@ -1,10 +1,16 @@
-"""The rollout pool: ``cfg.engines`` vLLM engines as Ray actors on the rollout role's placement."""
+"""The rollout pool: ``cfg.engines`` vLLM engines as Ray actors on the rollout role's placement.
+
+Every wait on an engine is bounded (``rollout.engine_timeout_s``): an engine whose process died, or
+that did not answer in time (then killed), is ``rlcore.faults.EngineDied`` naming it, and
+``restart_engine`` starts a new one on the same bundles (the restart policy is
+``rlcore.engine_restarts``)."""
 from __future__ import annotations
 
 import ray
 
 from rlcore.batch import Trajectory
 from rlcore.config import RolloutConfig
+from rlcore.faults import EngineDied
 from rlcore.hf_config import read_hf_config
 from rlcore.layout import check_rollout_split
 from rlcore.placement import RolePlacement
@@ -25,9 +31,10 @@ class RolloutPool:
         if len(placement.bundle_indices) < need:
             raise ValueError(f"rollout: {cfg.engines} engines x tp {cfg.tp} need {need} GPUs, pool "
                              f"{placement.pool!r} has {len(placement.bundle_indices)}")
-        self.cfg, self.profile = cfg, profile
+        self.cfg, self.profile, self.dtype = cfg, profile, dtype
+        self.startup_timeout_s = startup_timeout_s
         remote_cls = ray.remote(VLLMEngine)
-        self.engines = []
+        self._starts = []  # how to start engine e again (restart_engine): its actor options and arguments
         for e in range(cfg.engines):
             first = e * cfg.tp
             options = placement.actor_options(first)  # engine e starts on bundle e * tp
@@ -38,16 +45,56 @@ class RolloutPool:
                 # of the engine actor, which sits on its first bundle; the others stay reserved.)
                 bundles = [placement.bundle_indices[first + k] for k in range(cfg.tp)]
                 options["num_gpus"] = 0
-            self.engines.append(remote_cls.options(**options).remote(
+            self._starts.append(lambda options=options, e=e, bundles=bundles: remote_cls.options(**options).remote(
                 model_path, cfg, profile, dtype, seed, engine_index=e, max_model_len=max_model_len,
                 ray_bundle_indices=bundles, threads=threads))
-        # Surfaces a failed engine start here, with its traceback, rather than at the first call.
-        ready, pending = ray.wait([h.version.remote() for h in self.engines], num_returns=len(self.engines),
-                                  timeout=startup_timeout_s)
+        self.engines = [start() for start in self._starts]
+        self._wait_up(range(cfg.engines))
+
+    def _wait_up(self, engines) -> None:
+        """Surfaces a failed engine start here, with its traceback, rather than at the first call."""
+        engines = list(engines)
+        ready, pending = ray.wait([self.engines[e].version.remote() for e in engines], num_returns=len(engines),
+                                  timeout=self.startup_timeout_s)
         if pending:
-            raise RuntimeError(f"rollout: {len(pending)} of {cfg.engines} engines not up within "
-                               f"{startup_timeout_s:.0f} s")
+            raise RuntimeError(f"rollout: {len(pending)} of {len(engines)} engines not up within "
+                               f"{self.startup_timeout_s:.0f} s")
         ray.get(ready)
+
+    def restart_engine(self, engine: int) -> None:
+        """Kills engine ``engine`` (if anything is left of it) and starts a new one on its bundles, from
+        the model folder (weight version 0): the caller must connect the weight sync again and sync."""
+        ray.kill(self.engines[engine], no_restart=True)
+        self.engines[engine] = self._starts[engine]()
+        self._wait_up([engine])
+
+    def pids(self) -> list[int]:
+        """Each engine actor's process id, in engine order."""
+        return self._await([(e, h.pid.remote()) for e, h in enumerate(self.engines)], "a pid query")
+
+    def _await(self, calls: list[tuple[int, ray.ObjectRef]], during: str) -> list:
+        """The results of ``calls`` ((engine, ref) pairs), in order, once all are done. Engines whose
+        process died, or that had not answered within rollout.engine_timeout_s (killed then, so they
+        cannot answer later), raise ``EngineDied`` naming all of them."""
+        refs = [ref for _, ref in calls]
+        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.engine_timeout_s)
+        hung = [e for e, ref in calls if ref in pending]
+        dead, results = [], []
+        for e, ref in calls:
+            if e in hung:
+                continue
+            try:
+                results.append(ray.get(ref))
+            except ray.exceptions.RayActorError:
+                dead.append(e)
+        for e in hung:
+            ray.kill(self.engines[e], no_restart=True)
+        if hung:
+            raise EngineDied(dead + hung, during, f"no answer within rollout.engine_timeout_s="
+                                                  f"{self.cfg.engine_timeout_s:g} s; killed")
+        if dead:
+            raise EngineDied(dead, during)
+        return results
 
     @property
     def num_engines(self) -> int:
@@ -68,16 +115,17 @@ class RolloutPool:
         if not prompt_ids:
             raise ValueError("generate: no prompts")
         chunks = _chunks(len(prompt_ids), len(self.engines))
-        refs = []
-        for engine, (start, end) in zip(self.engines, chunks):
+        calls, starts = [], []
+        for e, (engine, (start, end)) in enumerate(zip(self.engines, chunks)):
             if start == end:
                 continue
-            refs.append((start, engine.generate.remote(
+            starts.append(start)
+            calls.append((e, engine.generate.remote(
                 prompt_ids[start:end], n, temperature, top_p, top_k, max_tokens,
                 None if seed is None else seed + start * n)))
         out: list[Trajectory] = []
-        for (start, ref) in refs:
-            for t in ray.get(ref):
+        for start, trajs in zip(starts, self._await(calls, "generation")):
+            for t in trajs:
                 t.prompt_index += start
                 out.append(t)
         return out
@@ -86,26 +134,24 @@ class RolloutPool:
         """``VLLMEngine.prompt_logprobs`` on engine ``engine``."""
         if not 0 <= engine < len(self.engines):
             raise ValueError(f"prompt_logprobs: engine {engine} of a pool of {len(self.engines)}")
-        return ray.get(self.engines[engine].prompt_logprobs.remote(sequences))
+        return self._await([(engine, self.engines[engine].prompt_logprobs.remote(sequences))], "prompt scoring")[0]
 
     # ------------------------------------------------------------------ weight sync
     def node_ips(self) -> list[str]:
         """The node IP of every engine (the weight-sync transport depends on where they are)."""
-        return ray.get([engine.node_ip.remote() for engine in self.engines])
+        return self._await([(e, h.node_ip.remote()) for e, h in enumerate(self.engines)], "a node query")
 
-    def init_weight_sync(self, links: list[StageLink], plans: list[list[Bucket]],
-                         timeout_s: float = 600.0) -> list[ray.ObjectRef]:
+    def init_weight_sync(self, links: list[StageLink], plans: list[list[Bucket]]) -> list[ray.ObjectRef]:
         """Every engine joins every stage group (``links[s]``, ``plans[s]``); engine e's vLLM worker w is
         rank ``writers + e * tp + w``. Returns the engines' refs without waiting: group creation blocks
-        until every member (the writers too) has joined, so the caller gets these together with the
-        writers' init."""
+        (at most each link's ``timeout_s``) until every member (the writers too) has joined, so the
+        caller gets these together with the writers' init."""
         expect = len(self.engines) * self.cfg.tp
         bad = [link.stage for link in links if link.receivers != expect]
         if bad:
             raise ValueError(f"weight sync: stage groups {bad} expect {[links[s].receivers for s in bad]} receivers; "
                              f"{len(self.engines)} engines x tp {self.cfg.tp} = {expect}")
-        return [engine.init_weight_sync.remote(links, [link.writers + e * self.cfg.tp for link in links],
-                                               plans, timeout_s)
+        return [engine.init_weight_sync.remote(links, [link.writers + e * self.cfg.tp for link in links], plans)
                 for e, engine in enumerate(self.engines)]
 
     def receive_weights(self, version: int) -> list[ray.ObjectRef]:
@@ -115,14 +161,14 @@ class RolloutPool:
 
     def weight_checksums(self) -> list[dict[str, float]]:
         """One HF-named checksum dict per engine."""
-        return ray.get([engine.weight_checksums.remote() for engine in self.engines])
+        return self._await([(e, h.weight_checksums.remote()) for e, h in enumerate(self.engines)], "a weight check")
 
     def versions(self) -> list[int]:
-        return ray.get([engine.version.remote() for engine in self.engines])
+        return self._await([(e, h.version.remote()) for e, h in enumerate(self.engines)], "a version query")
 
     def peak_memory_mb(self) -> list[float]:
         """Each engine process's peak resident memory (MiB), in engine order."""
-        return ray.get([engine.peak_memory_mb.remote() for engine in self.engines])
+        return self._await([(e, h.peak_memory_mb.remote()) for e, h in enumerate(self.engines)], "a memory query")
 
     def shutdown(self) -> None:
         for engine in self.engines:

@@ -66,7 +66,7 @@ class WeightSyncWorkerExtension:
 
     # ------------------------------------------------------------------ group setup
     def rlx_init_weight_sync(self, links: list[StageLink], base_ranks: list[int], plans: list[list[Bucket]],
-                             backend: str, timeout_s: float) -> list[int]:
+                             backend: str) -> list[int]:
         """Joins one group per actor PP stage through the links' transport (its reader: one per
         worker, for every stage), replacing the groups of an earlier call (a new actor or plan).
         Returns this worker's rank in each group."""
@@ -80,7 +80,7 @@ class WeightSyncWorkerExtension:
             if not link.writers <= rank < link.world_size:
                 raise ValueError(f"weight sync: receiver rank {rank} outside {link.writers}..{link.world_size - 1} "
                                  f"(ranks below {link.writers} are stage {link.stage}'s writers)")
-        self._rlx_reader = open_reader(links, ranks, plans, backend, self.device, timeout_s)
+        self._rlx_reader = open_reader(links, ranks, plans, backend, self.device)
         self._rlx_in_place = self._rlx_loads_in_place()
         return ranks
 

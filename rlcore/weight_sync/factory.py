@@ -61,9 +61,10 @@ def open_writer(link: StageLink, tp_rank: int, plan: list[Bucket]) -> StageWrite
 
 
 def open_reader(links: list[StageLink], ranks: list[int], plans: list[list[Bucket]], backend: str,
-                device: str | torch.device, timeout_s: float) -> StageReader:
-    """One vLLM worker's reader for every stage's group (``ranks[s]`` in ``links[s]``'s); joins them."""
+                device: str | torch.device) -> StageReader:
+    """One vLLM worker's reader for every stage's group (``ranks[s]`` in ``links[s]``'s); joins them
+    (each within its link's ``timeout_s``)."""
     names = {link.transport for link in links}
     if len(names) != 1:
         raise ValueError(f"weight sync: the stage links use transports {sorted(names)}; expected one")
-    return REGISTRY[names.pop()].reader(links, ranks, plans, backend, device, timeout_s)
+    return REGISTRY[names.pop()].reader(links, ranks, plans, backend, device)

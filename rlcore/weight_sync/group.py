@@ -22,6 +22,9 @@ class StageLink:
     writers: int
     receivers: int
     transport: str  # the name it is registered under (rlcore.weight_sync.factory)
+    # How long joining the group and each of its collectives wait for the other members (the controller
+    # sets it from rollout.sync_timeout_s): a member that vanished is an error after it, not a hang.
+    timeout_s: float = 600.0
 
     @property
     def world_size(self) -> int:
@@ -43,15 +46,18 @@ class WeightSyncGroup:
         if backend == "gloo":
             self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
         elif backend == "nccl":
-            self._pg = dist.ProcessGroupNCCL(prefixed, rank, world_size)
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout  # else NCCL's default (10 min), whatever rollout.sync_timeout_s says
+            self._pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
         else:
             raise ValueError(f"weight sync backend {backend!r}: expected gloo or nccl")
 
     @classmethod
-    def join(cls, link: StageLink, rank: int, backend: str = "gloo", timeout_s: float = 600.0,
+    def join(cls, link: StageLink, rank: int, backend: str = "gloo",
              device: str | torch.device = "cpu") -> "WeightSyncGroup":
-        """Member ``rank`` of ``link``'s group; blocks until every member has joined."""
-        return cls(link.host, link.port, rank, link.world_size, backend, timeout_s, device)
+        """Member ``rank`` of ``link``'s group; blocks until every member has joined (at most
+        ``link.timeout_s``, which also bounds each collective)."""
+        return cls(link.host, link.port, rank, link.world_size, backend, link.timeout_s, device)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         self.broadcast_async(tensor, src).wait()

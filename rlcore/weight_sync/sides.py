@@ -22,6 +22,7 @@ class WeightSender(Protocol):
     block until the other side is there, so the caller gets them together with the receivers'."""
 
     profile: str  # "cpu" or "gpu"
+    role: str  # names its ranks in errors ("actor")
 
     def node_ips(self) -> list[str]:
         """The node of every rank (a transport may need them all on one)."""
@@ -44,6 +45,8 @@ class WeightReceiver(Protocol):
     """The rollout side (``rollout.RolloutPool``): every vLLM worker of every engine joins each stage's
     group."""
 
+    dtype: str  # the engines' dtype: every sync's wire dtype
+
     @property
     def num_engines(self) -> int: ...
 
@@ -53,8 +56,7 @@ class WeightReceiver(Protocol):
 
     def node_ips(self) -> list[str]: ...
 
-    def init_weight_sync(self, links: list[StageLink], plans: list[list[Bucket]],
-                         timeout_s: float = 600.0) -> list[Any]:
+    def init_weight_sync(self, links: list[StageLink], plans: list[list[Bucket]]) -> list[Any]:
         """Every worker joins every stage group (refs)."""
 
     def receive_weights(self, version: int) -> list[Any]:

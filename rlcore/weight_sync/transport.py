@@ -50,7 +50,7 @@ class StageWriter(ABC):
         """Joins the group if this rank is a writer; blocks until every member has joined."""
         self.device = device
         if self.tp_rank < self.link.writers:
-            self.group = WeightSyncGroup.join(self.link, self.tp_rank, backend, device=device)
+            self.group = WeightSyncGroup.join(self.link, self.tp_rank, backend, device)
         self.joined = True
 
     @abstractmethod
@@ -69,12 +69,12 @@ class StageReader(ABC):
     blocking joins cannot deadlock)."""
 
     def __init__(self, links: list[StageLink], ranks: list[int], plans: list[list[Bucket]], backend: str,
-                 device: str | torch.device, timeout_s: float):
+                 device: str | torch.device):
         self.links, self.plans, self.device = links, plans, device
         self.groups = []
         for link, rank in zip(links, ranks):
             self.attach(link)
-            self.groups.append(WeightSyncGroup.join(link, rank, backend, timeout_s, device))
+            self.groups.append(WeightSyncGroup.join(link, rank, backend, device))
 
     def attach(self, link: StageLink) -> None:
         """What this worker must set up for ``link`` before joining its group (nothing by default)."""

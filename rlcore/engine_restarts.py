@@ -1,0 +1,88 @@
+"""A dead engine is not a dead run: the one place that decides what happens when a rollout engine dies.
+
+The trainer generates and syncs through ``EngineRestarts``. When the pool reports a dead (or hung,
+then killed) engine (``rlcore.faults.EngineDied``, within ``rollout.engine_timeout_s`` of its death
+for a generation, at once for a sync), the engine is restarted on its own bundles, the weight-sync
+groups are rebuilt on both sides (they include every engine's workers), the current weights are
+synced into every engine under the version they already had, and the call is redone: a generation
+with the same prompts and seeds (so its samples are the ones the dead engine would have made), a sync
+as it was. ``restarts`` counts them for the run (``rollout/engine_restarts``); the death after
+``rollout.max_engine_restarts`` of them stops the run with one sentence.
+
+Restarts happen on the thread that built this object (the trainer's). A generation that runs ahead
+on the rollout queue's producer thread (``trainer.off_policy_steps`` > 0) is not restarted there: the
+actor trains meanwhile, so the weights its version needs are gone; that death stops the run.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+from rlcore.config import RolloutConfig
+from rlcore.faults import EngineDied
+from rlcore.roles import Generator
+from rlcore.weight_sync import WeightReceiver, WeightSender, connect_weight_sync, sync_weights
+
+
+class RestartableEngines(Generator, WeightReceiver, Protocol):
+    """The rollout pool as the policy sees it: it generates, receives weights and restarts an engine."""
+
+    def restart_engine(self, engine: int) -> None:
+        """A new engine ``engine`` on the dead one's bundles, from the model folder (version 0)."""
+
+
+class EngineRestarts:
+    """The trainer's way to the engines: ``generate`` and ``sync_weights``, redone after a restart."""
+
+    def __init__(self, actor: WeightSender, rollout: RestartableEngines, cfg: RolloutConfig):
+        self.actor, self.rollout, self.cfg = actor, rollout, cfg
+        self.restarts = 0  # in this run (this process): rollout/engine_restarts
+        self.version = 0  # the weight version every engine holds: the last completed sync's
+        self._thread = threading.get_ident()
+
+    def generate(self, prompt_ids: list[list[int]], **sampling):
+        """``rollout.generate``; after a dead engine was replaced and given version ``self.version``,
+        the same call again."""
+        while True:
+            try:
+                return self.rollout.generate(prompt_ids, **sampling)
+            except EngineDied as died:
+                self._replace(died)
+                self.sync_weights(self.version)
+
+    def sync_weights(self, version: int) -> list:
+        """The actor's current weights into every engine as ``version``; redone after a dead engine was
+        replaced (the survivors may hold part of it: they get all of it again)."""
+        while True:
+            try:
+                reports = sync_weights(self.actor, self.rollout, version, check=self.cfg.check_weights,
+                                       timeout_s=self.cfg.sync_timeout_s)
+                break
+            except EngineDied as died:
+                self._replace(died)
+        self.version = version
+        return reports
+
+    def _replace(self, died: EngineDied) -> None:
+        """Restarts the dead engines and rebuilds the weight-sync groups (again if one dies meanwhile),
+        or raises the sentence that stops the run."""
+        while True:
+            if threading.get_ident() != self._thread:
+                raise EngineDied(died.engines, died.during + " ahead of its step", died.cause,
+                                 " while the actor trained (trainer.off_policy_steps > 0), so the weights its "
+                                 "batch needs are gone and it is not restarted: stopping, the last checkpoint "
+                                 "is intact") from died
+            if self.restarts + len(died.engines) > self.cfg.max_engine_restarts:
+                raise EngineDied(died.engines, died.during, died.cause,
+                                 f" after {self.restarts} engine restart(s) in this run, the limit of "
+                                 f"rollout.max_engine_restarts={self.cfg.max_engine_restarts}: stopping, the "
+                                 "last checkpoint is intact") from died
+            for e in died.engines:
+                self.rollout.restart_engine(e)
+                self.restarts += 1
+            try:
+                connect_weight_sync(self.actor, self.rollout, self.rollout.num_engines, self.cfg.bucket_mb * 1024 ** 2,
+                                    self.rollout.dtype, self.cfg.weight_transport, timeout_s=self.cfg.sync_timeout_s)
+                return
+            except EngineDied as again:
+                died = again
