@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from launch.compose import run
+    from rlcore.preemption import REQUEUE_EXIT_STATUS, Preempted
     from rlcore.trainer import SamplingError
 
     os.makedirs(cfg.trainer.run_dir, exist_ok=True)
@@ -185,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         # finished before it is already in metrics.jsonl.
         print(f"rlx train: {e}", file=sys.stderr)
         return 1
+    except Preempted as e:  # SIGTERM/SIGUSR1: checkpoint saved; launch/rlx.sbatch requeues on this status
+        print(f"rlx train: {e}", file=sys.stderr)
+        return REQUEUE_EXIT_STATUS
     if history:
         print("final step:", json.dumps({k: round(v, 4) for k, v in history[-1].items()}))
     return 0
