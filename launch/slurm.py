@@ -222,6 +222,7 @@ def run_ray_node(cmd: list[str], stop_file: str, attempts: int = 3) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the driver's preemption notice, should srun pass it on
     rc = 1
     for attempt in range(1, attempts + 1):
         started = time.monotonic()

@@ -26,9 +26,9 @@ def _cmd(model, data, run_dir, *extra):
             "trainer.val_every=0", "trainer.tensorboard=false", "trainer.save_every=1", *extra]
 
 
-def _start(cmd, log):
+def _start(cmd, log, new_session=False):
     out = open(log, "w")
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=new_session)
     out.close()
     return proc, ProcessWatch(proc.pid)
 
@@ -47,6 +47,9 @@ def test_a_finished_run_leaves_no_process(tiny_assets, tmp_path):
     assert proc.wait(timeout=900) == 0, open(tmp_path / "log").read()[-3000:]
     assert (tmp_path / "run" / "checkpoints" / "step_00000002").is_dir()
     _assert_none_left(watch, tmp_path / "log")
+    # The checkpoint writer started no long-lived multiprocessing helper (Manager, resource tracker).
+    helpers = [cmd for _, cmd in watch.seen.values() if "multiprocessing" in cmd]
+    assert helpers == [], helpers
 
 
 @pytest.mark.e2e
@@ -64,17 +67,24 @@ def test_a_failed_run_leaves_no_process(tiny_assets, tmp_path):
 
 
 @pytest.mark.e2e
-def test_a_sigkilled_run_leaves_no_process(tiny_assets, tmp_path):
-    """SIGKILL of the driver alone, right after its first checkpoint (so Megatron's checkpoint writer
-    ran in every rank): no exit handler runs in it, the reaper ends what it started."""
+@pytest.mark.parametrize("kill", ["driver", "process_group"])
+def test_a_sigkilled_run_leaves_no_process(tiny_assets, tmp_path, kill):
+    """SIGKILL right after the first checkpoint (so Megatron's checkpoint writer ran in every rank) of
+    the driver alone, or of its whole process group (the driver, Ray's GCS, raylet and agents; Ray's
+    workers have groups of their own, so they and their children lose their parents): no exit handler
+    runs, the reaper ends what is left."""
     latest = tmp_path / "run" / "checkpoints" / "latest"
-    proc, watch = _start(_cmd(*tiny_assets, tmp_path / "run", "trainer.total_steps=50"), tmp_path / "log")
+    proc, watch = _start(_cmd(*tiny_assets, tmp_path / "run", "trainer.total_steps=50"), tmp_path / "log",
+                         new_session=kill == "process_group")
     deadline = time.monotonic() + 600
     while not latest.exists():
         assert proc.poll() is None, open(tmp_path / "log").read()[-3000:]
         assert time.monotonic() < deadline, "no checkpoint within 10 minutes"
         time.sleep(0.1)
     time.sleep(1)  # into the next step
-    proc.send_signal(signal.SIGKILL)
+    if kill == "driver":
+        proc.send_signal(signal.SIGKILL)
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL
     _assert_none_left(watch, tmp_path / "log")
