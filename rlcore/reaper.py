@@ -64,7 +64,8 @@ def watch(marker: str) -> int:
     end stays open in this process only (not inheritable, so no child keeps it open)."""
     read_end, write_end = os.pipe()
     env = {k: v for k, v in os.environ.items() if k != MARKER_ENV}
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), marker], stdin=read_end, env=env,
+    # -I: the standard library only, not this folder's modules shadowing it.
+    proc = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), marker], stdin=read_end, env=env,
                             start_new_session=True, close_fds=True)
     os.close(read_end)
     _WRITE_ENDS.append(write_end)  # open until this process ends

@@ -41,6 +41,42 @@ def _assert_none_left(watch: ProcessWatch, log) -> None:
     assert left == [], f"{len(left)} process(es) of the run still alive {GRACE_S} s after it ended: {left}"
 
 
+DRIVER = """
+import os, signal, subprocess, sys, time
+from rlcore import reaper
+env = {**os.environ, reaper.MARKER_ENV: reaper.this_process_marker()}
+# Marked: one that ignores SIGTERM in a session of its own (only the SIGKILL after the grace ends it),
+# and a plain one; not marked: a process this driver starts that is not part of the run.
+subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                  "time.sleep(600)"], env=env, start_new_session=True)
+subprocess.Popen(["sleep", "600"], env=env)
+bystander = subprocess.Popen(["sleep", "600"])
+print(reaper.this_process_marker(), bystander.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_reaper_ends_the_marked_processes_of_a_sigkilled_driver():
+    from rlcore.reaper import GRACE_S, marked
+
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    marker, bystander = driver.stdout.readline().split()
+    try:
+        deadline = time.monotonic() + 30
+        while len(marked(marker)) < 2:
+            assert time.monotonic() < deadline, marked(marker)
+            time.sleep(0.1)
+        driver.kill()
+        driver.wait()
+        deadline = time.monotonic() + GRACE_S + 10
+        while marked(marker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert marked(marker) == []
+        os.kill(int(bystander), 0)  # still alive: not the run's
+    finally:
+        os.kill(int(bystander), signal.SIGKILL)
+
+
 @pytest.mark.e2e
 def test_a_finished_run_leaves_no_process(tiny_assets, tmp_path):
     proc, watch = _start(_cmd(*tiny_assets, tmp_path / "run", "trainer.total_steps=2"), tmp_path / "log")
