@@ -125,7 +125,8 @@ def test_a_signalled_job_saves_is_requeued_and_equals_an_uninterrupted_run(slurm
     logged (what Slurm does 60 s before the time limit, at a moment the test picks): the batch shell
     passes the signal on, rlx train saves its step and exits with 75, the script stops Ray and requeues
     the job, the second start resumes from the checkpoint and finishes; every step's metrics equal an
-    uninterrupted local run's."""
+    uninterrupted local run's. Slurm makes a requeued job eligible about two minutes after the requeue
+    (not adjustable per job): most of this test's wall time."""
     from tests.runs import train_cli
 
     model, data = assets
