@@ -304,9 +304,10 @@ class Trainer:
 
     def save(self, step: int) -> str:
         t = self.cfg.trainer
+        folder = checkpoint.save_checkpoint(checkpoint.checkpoint_dir_of(t), step, self.roles.trainable(),
+                                            self.state_dict(step), checkpoint.job_yaml(self.cfg), t.keep_last)
         self.saved_step = step
-        return checkpoint.save_checkpoint(checkpoint.checkpoint_dir_of(t), step, self.roles.trainable(),
-                                          self.state_dict(step), checkpoint.job_yaml(self.cfg), t.keep_last)
+        return folder
 
     def save_unless_saved(self, step: int) -> str:
         """The checkpoint of ``step`` (a run stopping on a signal): saved now unless saved already."""
