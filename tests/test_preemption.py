@@ -63,7 +63,7 @@ def _cmd(model, data, run_dir, *extra):
     # The quickstart, smaller, with no periodic checkpoints: the one a signal asks for is the only one.
     return [sys.executable, "-m", "launch.cli", "train", SPEC, f"model.path={model}", f"data.train_files=[{data}]",
             "data.val_files=[]", "data.batch_size=8", "rollout.n=8", f"trainer.run_dir={run_dir}",
-            f"trainer.total_steps={STEPS}", "trainer.val_every=0", "trainer.tensorboard=false", *extra]
+            f"trainer.total_steps={STEPS}", "trainer.val_every=0", "trainer.logger=[console,jsonl]", *extra]
 
 
 def _metrics(run_dir) -> dict[int, dict]:

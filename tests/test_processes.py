@@ -23,7 +23,7 @@ GRACE_S = 30  # Ray's agents notice a dead raylet within seconds; the reaper's o
 def _cmd(model, data, run_dir, *extra):
     return [sys.executable, "-m", "launch.cli", "train", SPEC, f"model.path={model}", f"data.train_files=[{data}]",
             "data.val_files=[]", "data.batch_size=8", "rollout.n=8", f"trainer.run_dir={run_dir}",
-            "trainer.val_every=0", "trainer.tensorboard=false", "trainer.save_every=1", *extra]
+            "trainer.val_every=0", "trainer.logger=[console,jsonl]", "trainer.save_every=1", *extra]
 
 
 def _start(cmd, log, new_session=False):

@@ -130,7 +130,7 @@ def test_a_signalled_job_saves_is_requeued_and_equals_an_uninterrupted_run(slurm
     from tests.runs import train_cli
 
     model, data = assets
-    steps = ["data.batch_size=8", "rollout.n=8", "trainer.total_steps=3", "trainer.tensorboard=false"]
+    steps = ["data.batch_size=8", "rollout.n=8", "trainer.total_steps=3", "trainer.logger=[console,jsonl]"]
     want = {r["step"]: {k: v for k, v in r.items() if not k.startswith("timing/")}
             for r in train_cli("yaml_configs/quickstart_cpu.yaml", tmp_path / "reference", model, data,
                                "data.val_files=[]", *steps)}
