@@ -10,8 +10,8 @@
     rlx export   CHECKPOINT --to hf OUT [--role actor|critic]   a checkpoint as a HuggingFace model folder
     rlx train|validate|show|plan|submit JOB.yaml --verl verl.key=value ...   verl main_ppo overrides instead
 
-rlx train exits with 0 when done, 2 for a bad spec, 1 for bad data, a failing reward function or a bad
-checkpoint, and 75 when SIGTERM/SIGUSR1 stopped it with a checkpoint (rlcore/preemption.py).
+rlx train exits with 0 when done, 2 for a spec it refuses, 1 when the run fails, and 75 when SIGTERM or
+SIGUSR1 stopped it after saving a checkpoint (rlcore/preemption.py; launch/rlx.sbatch requeues on it).
 """
 from __future__ import annotations
 
