@@ -46,35 +46,46 @@ import os, signal, subprocess, sys, time
 from rlcore import reaper
 env = {**os.environ, reaper.MARKER_ENV: reaper.this_process_marker()}
 # Marked: one that ignores SIGTERM in a session of its own (only the SIGKILL after the grace ends it),
-# and a plain one; not marked: a process this driver starts that is not part of the run.
+# and a plain one; not marked but a child: found as the driver's descendant.
 subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                   "time.sleep(600)"], env=env, start_new_session=True)
 subprocess.Popen(["sleep", "600"], env=env)
-bystander = subprocess.Popen(["sleep", "600"])
-print(reaper.this_process_marker(), bystander.pid, flush=True)
+child = subprocess.Popen(["sleep", "600"])
+print(reaper.this_process_marker(), child.pid, flush=True)
 time.sleep(600)
 """
 
 
-def test_the_reaper_ends_the_marked_processes_of_a_sigkilled_driver():
-    from rlcore.reaper import GRACE_S, marked
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
+
+def test_the_reaper_ends_the_processes_of_a_sigkilled_driver_and_no_other():
+    from rlcore.reaper import GRACE_S, POLL_S, marked
+
+    bystander = subprocess.Popen(["sleep", "600"])  # not the driver's: must survive
     driver = subprocess.Popen([sys.executable, "-c", DRIVER], cwd=REPO, stdout=subprocess.PIPE, text=True)
-    marker, bystander = driver.stdout.readline().split()
+    marker, child = driver.stdout.readline().split()
     try:
         deadline = time.monotonic() + 30
         while len(marked(marker)) < 2:
             assert time.monotonic() < deadline, marked(marker)
             time.sleep(0.1)
+        time.sleep(2 * POLL_S)  # the reaper has noted the driver's unmarked child
         driver.kill()
         driver.wait()
         deadline = time.monotonic() + GRACE_S + 10
-        while marked(marker) and time.monotonic() < deadline:
+        while (marked(marker) or _running(int(child))) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert marked(marker) == []
-        os.kill(int(bystander), 0)  # still alive: not the run's
+        assert marked(marker) == [] and not _running(int(child))
+        assert _running(bystander.pid)
     finally:
-        os.kill(int(bystander), signal.SIGKILL)
+        bystander.kill()
+        bystander.wait()
 
 
 @pytest.mark.e2e
