@@ -9,6 +9,9 @@
     rlx submit   JOB.yaml --nodes N [key.sub=value ...]   sbatch a Ray cluster on N nodes that trains JOB
     rlx export   CHECKPOINT --to hf OUT [--role actor|critic]   a checkpoint as a HuggingFace model folder
     rlx train|validate|show|plan|submit JOB.yaml --verl verl.key=value ...   verl main_ppo overrides instead
+
+rlx train exits with 0 when done, 2 for a spec it refuses, 1 when the run fails, and 75 when SIGTERM or
+SIGUSR1 stopped it after saving a checkpoint (rlcore/preemption.py; launch/rlx.sbatch requeues on it).
 """
 from __future__ import annotations
 
@@ -168,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from launch.compose import run
+    from rlcore.preemption import REQUEUE_EXIT_STATUS, Preempted
     from rlcore.trainer import SamplingError
 
     os.makedirs(cfg.trainer.run_dir, exist_ok=True)
@@ -185,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         # finished before it is already in metrics.jsonl.
         print(f"rlx train: {e}", file=sys.stderr)
         return 1
+    except Preempted as e:  # SIGTERM/SIGUSR1: checkpoint saved; launch/rlx.sbatch requeues on this status
+        print(f"rlx train: {e}", file=sys.stderr)
+        return REQUEUE_EXIT_STATUS
     if history:
         print("final step:", json.dumps({k: round(v, 4) for k, v in history[-1].items()}))
     return 0

@@ -40,6 +40,13 @@ def add_submit_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bringup-timeout", type=int, default=300,
                    help="seconds to wait for every node's GPUs to register with Ray")
     p.add_argument("--log-dir", help="where the driver log and per-node Ray logs go (default: <run_dir>/slurm)")
+    p.add_argument("--signal", metavar="SIG@SECONDS",
+                   help="Slurm sends SIG (USR1 or TERM) to the batch script SECONDS before the time limit, e.g. "
+                        "USR1@120 (#SBATCH --signal=B:USR1@120): rlx train finishes its step, saves a "
+                        "checkpoint and exits with 75; give it the time of a step and a save")
+    p.add_argument("--requeue", action="store_true",
+                   help="requeue the job when rlx train stopped on a signal (exit status 75); the requeued job "
+                        "resumes from its checkpoint (trainer.resume=auto)")
     p.add_argument("--sbatch-arg", action="append", default=[], metavar="OPTION",
                    help="an extra sbatch option, e.g. --sbatch-arg=--qos=high (repeatable)")
     p.add_argument("--wait", action="store_true", help="block until the job ends; exit with its status")
@@ -52,6 +59,19 @@ def gpus_per_node(args, cfg, layout: JobLayout) -> int:
     if layout.device == "cpu":  # logical GPUs: exactly what the pools need, spread over the nodes
         return math.ceil(layout.total_gpus / args.nodes)
     return cfg.resources.gpus_per_node or 8
+
+
+def batch_signal(spec: str) -> str:
+    """``USR1@120`` (or ``B:USR1@120``, ``SIGTERM@60``) as sbatch's ``B:USR1@120``: the batch shell only.
+    Slurm's form without ``B:`` signals every process of every step, the Ray nodes' too, whose workers
+    would die before the checkpoint is saved; rlx.sbatch passes the signal on to rlx train instead."""
+    from rlcore.job import ConfigError
+
+    m = re.fullmatch(r"(?:B:)?(?:SIG)?(USR1|TERM)@(\d+)", spec.strip())
+    if not m:
+        raise ConfigError(f"--signal={spec!r}: expected SIG@SECONDS with SIG USR1 or TERM (what rlx train "
+                          "checkpoints on), e.g. --signal=USR1@120")
+    return f"B:{m.group(1)}@{m.group(2)}"
 
 
 def render(args, cfg, layout: JobLayout) -> tuple[str, str]:
@@ -73,6 +93,10 @@ def render(args, cfg, layout: JobLayout) -> tuple[str, str]:
     for key in ("partition", "account", "time"):
         if getattr(args, key):
             sbatch.append(f"--{key}={getattr(args, key)}")
+    if args.signal:
+        sbatch.append(f"--signal={batch_signal(args.signal)}")
+    if args.requeue:  # a requeued job keeps its id, so its output file too: append, not truncate
+        sbatch += ["--requeue", "--open-mode=append"]
     sbatch += args.sbatch_arg
     settings = {
         "RLX_ROOT": ROOT,
@@ -82,6 +106,7 @@ def render(args, cfg, layout: JobLayout) -> tuple[str, str]:
         "RLX_BRINGUP_TIMEOUT_S": args.bringup_timeout,
         "RLX_LOG_DIR": log_dir,
         "RLX_OBJECT_STORE_BYTES": CPU_OBJECT_STORE_BYTES if layout.device == "cpu" else "",
+        "RLX_REQUEUE": int(args.requeue),
     }
     with open(TEMPLATE) as f:
         body = f.read().split("\n", 1)[1]  # without its shebang
@@ -197,6 +222,7 @@ def run_ray_node(cmd: list[str], stop_file: str, attempts: int = 3) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the driver's preemption notice, should srun pass it on
     rc = 1
     for attempt in range(1, attempts + 1):
         started = time.monotonic()

@@ -48,6 +48,20 @@ def _sharded_state(chunks: list, optimizer, lr_scheduler, is_loading: bool) -> d
     return state
 
 
+def _results_queue_in_process() -> None:
+    """megatron's torch_dist writer hands each rank's write results to a queue served by a spawned
+    multiprocessing Manager process, made for async saves (the writing then runs in another process).
+    Saves here are synchronous, and that Manager, with the resource tracker it keeps open, is never
+    stopped when the worker dies without running its exit handlers (SIGKILL, a lost raylet): two
+    ~300 MB orphans per rank, alive indefinitely. A queue in this process carries the results as well."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def save_role(path: str, chunks: list, optimizer=None, lr_scheduler=None, dp: int = 1) -> None:
     """Writes the role's distributed checkpoint into the folder ``path`` (every rank at once)."""
     from megatron.core import dist_checkpointing, parallel_state
@@ -55,6 +69,7 @@ def save_role(path: str, chunks: list, optimizer=None, lr_scheduler=None, dp: in
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
     os.makedirs(path, exist_ok=True)
+    _results_queue_in_process()
     strategy = get_default_save_sharded_strategy()  # torch_dist
     if dp > 1:  # DP replicas share the writing instead of replica 0 writing everything
         strategy = FullyParallelSaveStrategyWrapper(

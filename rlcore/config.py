@@ -278,12 +278,12 @@ class TrainerConfig:
     off_policy_steps: int = 0
     # Checkpoints (rlcore/checkpoint.py): the actor's (and critic's) megatron-core distributed
     # checkpoint + the controller's state, at the end of every save_every-th step and the last step.
-    save_every: int = 0  # 0: never save
+    save_every: int = 0  # 0: never save (but on SIGTERM/SIGUSR1: rlcore/preemption.py)
     keep_last: int = 3  # keep the newest N checkpoints; 0: keep all
     # auto: continue from the newest complete checkpoint in checkpoint_dir if there is one (falling
     # back to the previous one if it is damaged), else start fresh; never: always start fresh;
     # or the path of a checkpoint (step_N folder, or a checkpoint_dir) to continue from, strictly.
-    # auto is safe as the default: nothing is saved unless save_every > 0.
+    # auto is safe as the default: nothing is saved unless save_every > 0 or a signal stopped the run.
     resume: str = "auto"
     checkpoint_dir: Optional[str] = None  # default: <run_dir>/checkpoints
     # An actor/critic update with a NaN/inf loss or gradient norm is never applied (rlcore/nonfinite.py);

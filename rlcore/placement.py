@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from rlcore import worker_logs
+from rlcore import reaper, worker_logs
 
 # A worker process starts with one math thread; the Megatron engines and the vLLM engines then take
 # their share of the cores (``math_threads``). More threads than cores were 5-100x slower on a shared
@@ -48,13 +48,18 @@ def start_ray(device: str, total_gpus: int, address: str | None = None, num_cpus
     # address="local": always a fresh cluster, never one that `ray start` left on this machine (Ray's
     # default would join the latest cluster in /tmp/ray and then refuse num_gpus).
     kwargs["address"] = "local"
-    if device == "cpu":
-        # Logical GPUs, and a small object store: batches are small and RAM is shared with every
-        # worker on a laptop-sized box.
-        ray.init(num_gpus=total_gpus, num_cpus=num_cpus or os.cpu_count(), object_store_memory=512 * 1024 ** 2,
-                 **kwargs)
-    else:
-        ray.init(num_cpus=num_cpus, **kwargs)
+    # Every process of the local cluster carries the marker and dies with this one (rlcore/reaper.py).
+    os.environ[reaper.MARKER_ENV] = reaper.this_process_marker()
+    try:
+        if device == "cpu":
+            # Logical GPUs, and a small object store: batches are small and RAM is shared with every
+            # worker on a laptop-sized box.
+            ray.init(num_gpus=total_gpus, num_cpus=num_cpus or os.cpu_count(),
+                     object_store_memory=512 * 1024 ** 2, **kwargs)
+        else:
+            ray.init(num_cpus=num_cpus, **kwargs)
+    finally:  # only Ray's processes inherit it, not what this process starts later
+        del os.environ[reaper.MARKER_ENV]
     worker_logs.link_ray_session()  # run_dir/logs/ray: the session's own logs, next to the workers'
 
 

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from rlcore import checkpoint
+from rlcore import checkpoint, preemption
 from rlcore.algos import (ADV_ESTIMATORS, AdvantageInputs, apply_kl_penalty, compute_advantages, explained_variance,
                           groups_with_variance, kl_controller, last_token_rewards, loss_weights, overlong_penalty)
 from rlcore.batch import Batch, Trajectory, build_batch
@@ -70,10 +70,12 @@ class Trainer:
         # Before the logger opens metrics.jsonl: resuming drops the lines of steps it will redo.
         start = self.resume()  # the step to continue after; 0 on a fresh start
         logger = MetricsLogger.for_job(self.cfg, start)
+        stop = preemption.StopOnSignal().install()  # SIGTERM/SIGUSR1: a checkpoint at the next step boundary
         try:
             if self.val_set is not None and t.val_every and start == 0:
                 logger.log(0, self.validate())
             for step in range(start + 1, t.total_steps + 1):
+                stop.check(step - 1, t.total_steps, self.save_unless_saved)  # raises Preempted after a signal
                 metrics = self.train_step(step)
                 if self.val_set is not None and t.val_every and step % t.val_every == 0:
                     metrics.update(self.validate())
@@ -81,6 +83,7 @@ class Trainer:
                 history.append(metrics)
                 self.maybe_save(step)
         finally:
+            stop.restore()
             logger.close()
         return history
 
@@ -287,6 +290,7 @@ class Trainer:
         controller state, then the restored weights to the engines. Returns the step to continue after
         (0: a fresh start)."""
         state = checkpoint.resume(self.cfg, self.roles.trainable())
+        self.saved_step = 0 if state is None else int(state["step"])  # the step a checkpoint holds already
         if state is None:
             return 0
         self.load_state_dict(state)
@@ -296,8 +300,20 @@ class Trainer:
     def maybe_save(self, step: int) -> None:
         t = self.cfg.trainer
         if t.save_every and (step % t.save_every == 0 or step == t.total_steps):
-            checkpoint.save_checkpoint(checkpoint.checkpoint_dir_of(t), step, self.roles.trainable(),
-                                       self.state_dict(step), checkpoint.job_yaml(self.cfg), t.keep_last)
+            self.save(step)
+
+    def save(self, step: int) -> str:
+        t = self.cfg.trainer
+        folder = checkpoint.save_checkpoint(checkpoint.checkpoint_dir_of(t), step, self.roles.trainable(),
+                                            self.state_dict(step), checkpoint.job_yaml(self.cfg), t.keep_last)
+        self.saved_step = step
+        return folder
+
+    def save_unless_saved(self, step: int) -> str:
+        """The checkpoint of ``step`` (a run stopping on a signal): saved now unless saved already."""
+        if step == self.saved_step:
+            return checkpoint.read_latest(checkpoint.checkpoint_dir_of(self.cfg.trainer)) or f"of step {step}"
+        return self.save(step)
 
     def shutdown(self) -> None:
         self.rollouts.close()  # the batch in flight finishes before the engines stop

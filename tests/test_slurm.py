@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -117,6 +118,64 @@ def test_a_cluster_that_does_not_come_up_in_time_fails_with_a_sentence(slurm, as
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slurm
+@pytest.mark.e2e
+def test_a_signalled_job_saves_is_requeued_and_equals_an_uninterrupted_run(slurm, assets, tmp_path):
+    """`rlx submit --requeue --signal=USR1@60`, then `scancel --signal=USR1 --batch` once step 1 is
+    logged (what Slurm does 60 s before the time limit, at a moment the test picks): the batch shell
+    passes the signal on, rlx train saves its step and exits with 75, the script stops Ray and requeues
+    the job, the second start resumes from the checkpoint and finishes; every step's metrics equal an
+    uninterrupted local run's. Slurm makes a requeued job eligible about two minutes after the requeue
+    (not adjustable per job): most of this test's wall time."""
+    from tests.runs import train_cli
+
+    model, data = assets
+    steps = ["data.batch_size=8", "rollout.n=8", "trainer.total_steps=3", "trainer.logger=[console,jsonl]"]
+    want = {r["step"]: {k: v for k, v in r.items() if not k.startswith("timing/")}
+            for r in train_cli("yaml_configs/quickstart_cpu.yaml", tmp_path / "reference", model, data,
+                               "data.val_files=[]", *steps)}
+    log_dir, run_dir = tmp_path / "slurm", tmp_path / "run"
+    cmd = [sys.executable, "-m", "launch.cli", "submit", "yaml_configs/quickstart_cpu.yaml", "--nodes", "1", "--wait",
+           "--port", str(_free_port()), "--log-dir", str(log_dir), "--requeue", "--signal=USR1@60", "--time=30",
+           f"model.path={model}", f"data.train_files=[{data}]", "data.val_files=[]", "trainer.val_every=0",
+           f"trainer.run_dir={run_dir}", *steps]
+    submit = subprocess.Popen(cmd, cwd=REPO, env=slurm, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = submit.stdout.readline()
+    job = re.search(r"submitted Slurm job (\d+)", first)
+    assert job, first + submit.stdout.read()
+    job = job.group(1)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 1):  # step 1 done
+        assert submit.poll() is None, submit.stdout.read()
+        assert time.monotonic() < deadline, "step 1 not logged within 10 minutes"
+        time.sleep(0.1)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm, check=True)
+    out = submit.communicate(timeout=900)[0]
+    log_path = log_dir / f"rlx-quickstart_cpu-{job}.out"
+    log = log_path.read_text()
+    # `sbatch --wait` may return at the requeue: the job's second start ends the test.
+    deadline = time.monotonic() + 900
+    while "rlx train exited with status 0" not in log:
+        assert time.monotonic() < deadline, log[-4000:]
+        time.sleep(2)
+        log = log_path.read_text()
+    assert "#SBATCH --signal=B:USR1@60" in (log_dir / "rlx-quickstart_cpu.sbatch").read_text()
+    assert "got SIGUSR1: passing it on to rlx train" in log, log[-4000:]
+    stopped = re.search(r"stopped by SIGUSR1 after step (\d) of 3 with checkpoint", log)
+    assert stopped, log[-4000:]
+    assert "rlx train exited with status 75" in log and f"requeueing job {job}" in log
+    assert f"checkpoint: resumed from {run_dir / 'checkpoints' / f'step_0000000{stopped.group(1)}'}" in log
+    assert (log_dir / job / "restart-1").is_dir()  # the second start's own logs
+    got = {r["step"]: {k: v for k, v in r.items() if not k.startswith("timing/")}
+           for r in map(json.loads, metrics.read_text().splitlines())}
+    assert sorted(got) == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert got[step] == want[step], (step, got[step], want[step])
+    assert processes_naming(f"/tmp/rlx-ray-{job}") == []
+    print(out)
+
+
 def test_submit_renders_a_script_the_operator_never_edits(assets, tmp_path, capsys):
     """--dry-run: the #SBATCH lines, the settings and the job's arguments; valid bash; nothing submitted."""
     from launch.cli import main as rlx
@@ -132,6 +191,7 @@ def test_submit_renders_a_script_the_operator_never_edits(assets, tmp_path, caps
                  "export RLX_BRINGUP_TIMEOUT_S=300", f"export RLX_ROOT={REPO}"):
         assert line in script, line
     assert "--gpus-per-node" not in script.split("export")[0]  # no GPUs to ask Slurm for on the cpu profile
+    assert "export RLX_REQUEUE=0" in script and "--signal" not in script.split("export")[0]
     assert "trainer.total_steps=5" in script and os.path.abspath("yaml_configs/quickstart_cpu.yaml") in script
     path = tmp_path / "rlx-quickstart_cpu.sbatch"
     assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
@@ -139,3 +199,14 @@ def test_submit_renders_a_script_the_operator_never_edits(assets, tmp_path, caps
     assert rlx(["submit", "yaml_configs/quickstart_cpu.yaml", "--nodes", "1", "--gpus-per-node", "2", "--dry-run",
                 f"model.path={model}", f"data.train_files=[{data}]", "data.val_files=[]"]) == 2
     assert "resources.pools need 3 GPUs but --nodes 1 x --gpus-per-node 2 = 2" in capsys.readouterr().err
+    # Preemption: the signal goes to the batch shell only (B:), the job is requeueable and appends to its log.
+    assert rlx(["submit", "yaml_configs/quickstart_cpu.yaml", "--nodes", "1", "--signal", "USR1@120", "--requeue",
+                "--log-dir", str(tmp_path), "--dry-run", f"model.path={model}", f"data.train_files=[{data}]",
+                "data.val_files=[]"]) == 0
+    script = capsys.readouterr().out
+    for line in ("#SBATCH --signal=B:USR1@120", "#SBATCH --requeue", "#SBATCH --open-mode=append",
+                 "export RLX_REQUEUE=1"):
+        assert line in script, line
+    assert rlx(["submit", "yaml_configs/quickstart_cpu.yaml", "--nodes", "1", "--signal", "INT@5", "--dry-run",
+                f"model.path={model}", f"data.train_files=[{data}]", "data.val_files=[]"]) == 2
+    assert "--signal='INT@5': expected SIG@SECONDS with SIG USR1 or TERM" in capsys.readouterr().err

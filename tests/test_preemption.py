@@ -1,0 +1,114 @@
+"""Preemption: SIGTERM / SIGUSR1 finishes the step in flight, saves a checkpoint (whatever
+trainer.save_every is), and `rlx train` exits with status 75 (launch/rlx.sbatch requeues on it); the
+rerun resumes with resume=auto and its per-step metrics equal an uninterrupted run's. The handler and
+the loop's stopping first without Ray, then `rlx train` for real."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rlcore.preemption import REQUEUE_EXIT_STATUS, Preempted, StopOnSignal
+from tests.procs import ProcessWatch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPEC = "yaml_configs/quickstart_cpu.yaml"
+STEPS = 4
+
+
+# ------------------------------------------------------------------------------- the handler (no Ray)
+def test_the_first_signal_requests_a_stop_and_repeats_are_ignored():
+    said, saved = [], []
+    before = signal.getsignal(signal.SIGUSR1)
+    stop = StopOnSignal(say=said.append).install()
+    try:
+        stop.check(3, 10, saved.append)  # no signal yet: nothing happens
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGTERM)  # a second one, as while the checkpoint is saved
+        assert stop.signum == signal.SIGUSR1
+        assert "SIGUSR1 received: finishing the step in flight" in said[0]
+        assert "SIGTERM received again while stopping: ignored" in said[1]
+        with pytest.raises(Preempted, match="stopped by SIGUSR1 after step 3 of 10 with checkpoint /ck/3; exiting "
+                                            "with status 75") as e:
+            stop.check(3, 10, lambda step: saved.append(step) or f"/ck/{step}")
+        assert saved == [3] and e.value.step == 3 and e.value.checkpoint == "/ck/3"
+    finally:
+        stop.restore()
+    # After a stop, ours stay (the shutdown must not be cut short either); still ignoring repeats.
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert "SIGUSR1 received again" in said[-1]
+    for s in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(s, before if s == signal.SIGUSR1 else signal.SIG_DFL)
+
+
+def test_no_signal_restores_the_handlers_and_step_0_is_not_saved():
+    before = signal.getsignal(signal.SIGTERM)
+    with StopOnSignal(say=lambda m: None):
+        assert signal.getsignal(signal.SIGTERM) is not before
+    assert signal.getsignal(signal.SIGTERM) is before
+    stop = StopOnSignal(say=lambda m: None)
+    stop.signum = signal.SIGTERM  # as if received before the first step of a fresh start
+    with pytest.raises(Preempted, match="after step 0 of 5 with no checkpoint") as e:
+        stop.check(0, 5, lambda step: pytest.fail("nothing to save at step 0"))
+    assert e.value.checkpoint is None and REQUEUE_EXIT_STATUS == 75
+
+
+# --------------------------------------------------------------------------------- rlx train (e2e)
+def _cmd(model, data, run_dir, *extra):
+    # The quickstart, smaller, with no periodic checkpoints: the one a signal asks for is the only one.
+    return [sys.executable, "-m", "launch.cli", "train", SPEC, f"model.path={model}", f"data.train_files=[{data}]",
+            "data.val_files=[]", "data.batch_size=8", "rollout.n=8", f"trainer.run_dir={run_dir}",
+            f"trainer.total_steps={STEPS}", "trainer.val_every=0", "trainer.logger=[console,jsonl]", *extra]
+
+
+def _metrics(run_dir) -> dict[int, dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows]
+    assert len(steps) == len(set(steps)), f"a step is logged twice: {steps}"
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith("timing/")} for r in rows}
+
+
+@pytest.mark.e2e
+def test_sigterm_saves_exits_75_and_the_rerun_equals_an_uninterrupted_run(tiny_assets, tmp_path):
+    model, data = tiny_assets
+    reference = tmp_path / "reference"
+    proc = subprocess.run(_cmd(model, data, reference), cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert not (reference / "checkpoints").exists()  # save_every=0: nothing saved without a signal
+
+    run_dir = tmp_path / "run"
+    log = tmp_path / "stopped.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(_cmd(model, data, run_dir), cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    watch = ProcessWatch(proc.pid)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 1):  # step 1 logged
+        assert proc.poll() is None, log.read_text()[-4000:]
+        assert time.monotonic() < deadline, "step 1 did not finish within 10 minutes"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)  # again, while it finishes the step or saves
+    assert proc.wait(timeout=600) == REQUEUE_EXIT_STATUS, log.read_text()[-4000:]
+    text = log.read_text()
+    done = max(_metrics(run_dir))
+    assert 1 <= done < STEPS, text[-3000:]
+    assert f"stopped by SIGTERM after step {done} of {STEPS} with checkpoint" in text
+    assert "received again while stopping: ignored" in text
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{done:08d}"
+    watch.stop()
+    assert watch.wait_until_none_left(30) == []  # the stopped run leaves no process
+
+    resumed = subprocess.run(_cmd(model, data, run_dir), cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-6000:]
+    assert f"checkpoint: resumed from {run_dir / 'checkpoints' / f'step_{done:08d}'}" in resumed.stdout
+    got, want = _metrics(run_dir), _metrics(reference)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        assert got[step] == want[step], (step, got[step], want[step])
