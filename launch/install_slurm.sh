@@ -62,7 +62,9 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$DIR/munge/munge.socket
+# cred_expire also sets how long a requeued job waits before it may start again (Slurm's default: 120 s);
+# this one-node test cluster requeues preempted jobs after 10 s.
+AuthInfo=socket=$DIR/munge/munge.socket,cred_expire=10
 StateSaveLocation=$DIR/state
 SlurmdSpoolDir=$DIR/spool
 SlurmctldPidFile=$DIR/slurmctld.pid

@@ -77,9 +77,14 @@ def _metrics(run_dir) -> dict[int, dict]:
 def test_sigterm_saves_exits_75_and_the_rerun_equals_an_uninterrupted_run(tiny_assets, tmp_path):
     model, data = tiny_assets
     reference = tmp_path / "reference"
-    proc = subprocess.run(_cmd(model, data, reference), cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    with open(tmp_path / "reference.log", "w") as out:
+        proc = subprocess.Popen(_cmd(model, data, reference), cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    watch = ProcessWatch(proc.pid)
+    assert proc.wait(timeout=900) == 0, (tmp_path / "reference.log").read_text()[-6000:]
     assert not (reference / "checkpoints").exists()  # save_every=0: nothing saved without a signal
+    watch.stop()
+    assert any("raylet" in cmd for _, cmd in watch.seen.values()), "the watch never saw the run's Ray"
+    assert watch.wait_until_none_left(30) == []  # a run that finished leaves no process
 
     run_dir = tmp_path / "run"
     log = tmp_path / "stopped.log"
