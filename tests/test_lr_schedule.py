@@ -110,9 +110,10 @@ def test_the_run_counts_optimizer_steps():
     (["actor.optim.lr_warmup_steps=4", "actor.optim.lr_decay_steps=4"],
      "4 warm-up steps must end before actor.optim.lr_decay_steps=4"),
 ])
-def test_bad_schedules_are_one_sentence_naming_the_key(overrides, message):
+def test_bad_schedules_are_one_sentence_naming_the_key(overrides, message, qwen2_untied):
     with pytest.raises(ConfigError, match=message):
-        validate(load_job("yaml_configs/quickstart_cpu.yaml", overrides), require_files=False)
+        validate(load_job("yaml_configs/quickstart_cpu.yaml", [f"model.path={qwen2_untied}", *overrides]),
+                 require_files=False)
 
 
 def test_the_critic_schedule_is_checked():
