@@ -208,8 +208,10 @@ def test_loggers_and_run_names():
             translate(SPEC, verl)
 
 
-def test_a_translated_quickstart_validates():
-    cfg, _ = translate(SPEC, ["data.train_batch_size=4", f"{AR}.rollout.n=4", f"{AR}.actor.ppo_mini_batch_size=2",
+def test_a_translated_quickstart_validates(tiny_assets):
+    model, data = tiny_assets  # a clean clone has no .cache: the spec's model and data are built here
+    cfg, _ = translate(SPEC, [f"{AR}.model.path={model}", f"data.train_files=['{data}']", f"data.val_files=['{data}']",
+                              "data.train_batch_size=4", f"{AR}.rollout.n=4", f"{AR}.actor.ppo_mini_batch_size=2",
                               f"{AR}.actor.optim.lr_warmup_steps=1", f"{AR}.actor.optim.lr_decay_style=cosine",
                               f"{AR}.actor.ppo_micro_batch_size_per_gpu=4", "trainer.total_training_steps=2"])
     validate(cfg, require_files=False)
@@ -229,14 +231,16 @@ def test_every_mapped_key_is_covered():
 
 
 
-def test_submit_verl_submits_the_translated_spec(tmp_path, capsys):
+def test_submit_verl_submits_the_translated_spec(tmp_path, capsys, tiny_assets):
     """--dry-run: the script runs `rlx train` on the translated spec, which loads back as the same job."""
     from omegaconf import OmegaConf
 
     from rlcore.job import load_job
 
+    model, data = tiny_assets
     base = OmegaConf.load(SPEC)
     base.trainer.run_dir = str(tmp_path / "run")
+    base.model.path, base.data.train_files, base.data.val_files = model, [data], [data]
     OmegaConf.save(base, tmp_path / "base.yaml")
     verl = [f"{AR}.rollout.n=4", "data.train_batch_size=4", f"{AR}.actor.ppo_micro_batch_size_per_gpu=4",
             f"{AR}.actor.optim.lr_warmup_steps=1"]
