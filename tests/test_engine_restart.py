@@ -60,6 +60,27 @@ def _metrics(run_dir) -> list[dict]:
     return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+
+def _fit_with_engine_killed_before_second_generation(cfg, layout):
+    """Trains ``cfg`` with the engine SIGKILLed just before the second generation; the EngineDied the
+    run stops with (pytest's ExceptionInfo)."""
+    import ray
+
+    from launch.compose import build_trainer
+    from rlcore.faults import EngineDied
+
+    trainer = None
+    try:
+        trainer = build_trainer(cfg, layout)
+        _kill_engine_before(trainer.rollout, "generate", 2, [])
+        with pytest.raises(EngineDied) as err:
+            trainer.fit()
+    finally:
+        if trainer is not None:
+            trainer.shutdown()
+        ray.shutdown()
+    return err
+
 def _train(cfg, layout, kills=()) -> tuple[list[dict], list[int], list[int]]:
     """Trains ``cfg`` to the end with engine 0 SIGKILLed before each (pool method, call number) of
     ``kills``; returns its metrics lines, the killed pids and the engines' pids at the end."""
@@ -114,25 +135,13 @@ def test_a_killed_engine_is_restarted_and_every_step_completes(tiny_assets, tmp_
 
 @pytest.mark.e2e
 def test_with_no_restarts_allowed_a_dead_engine_stops_the_run_with_one_sentence(tiny_assets, tmp_path):
-    import ray
-
-    from launch.compose import build_trainer
-    from rlcore.faults import EngineDied, RunStopped
+    from rlcore.faults import RunStopped
 
     model, data = tiny_assets
     run_dir = tmp_path / "run"
     cfg, layout = _job(model, data, run_dir, "trainer.total_steps=3", "trainer.save_every=1",
                        "rollout.max_engine_restarts=0")
-    trainer = None
-    try:
-        trainer = build_trainer(cfg, layout)
-        _kill_engine_before(trainer.rollout, "generate", 2, [])
-        with pytest.raises(EngineDied) as err:
-            trainer.fit()
-    finally:
-        if trainer is not None:
-            trainer.shutdown()
-        ray.shutdown()
+    err = _fit_with_engine_killed_before_second_generation(cfg, layout)
     message = str(err.value)
     assert isinstance(err.value, RunStopped) and "\n" not in message
     assert message == ("rollout engine 0 died during generation (its process exited) after 0 engine restart(s) "
@@ -149,25 +158,11 @@ def test_with_no_restarts_allowed_a_dead_engine_stops_the_run_with_one_sentence(
 def test_an_engine_dying_in_a_generation_ahead_is_refused_with_one_sentence(tiny_assets, tmp_path):
     """trainer.off_policy_steps=1: batch 2 generates on the producer thread while step 1 trains; its
     engine's death cannot be redone there (the actor has moved past version 0) and stops the run."""
-    import ray
-
-    from launch.compose import build_trainer
-    from rlcore.faults import EngineDied
-
     model, data = tiny_assets
     run_dir = tmp_path / "run"
     cfg, layout = _job(model, data, run_dir, "trainer.total_steps=3", "trainer.off_policy_steps=1",
                        "rollout.sync_timeout_s=20")
-    trainer = None
-    try:
-        trainer = build_trainer(cfg, layout)
-        _kill_engine_before(trainer.rollout, "generate", 2, [])
-        with pytest.raises(EngineDied) as err:
-            trainer.fit()
-    finally:
-        if trainer is not None:
-            trainer.shutdown()
-        ray.shutdown()
+    err = _fit_with_engine_killed_before_second_generation(cfg, layout)
     assert str(err.value) == (
         "rollout engine 0 died during generation ahead of its step (its process exited) while the actor trained "
         "(trainer.off_policy_steps > 0), so the weights its batch needs are gone and it is not restarted: "
