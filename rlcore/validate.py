@@ -14,6 +14,7 @@ from rlcore import algos, lr_schedule
 from rlcore.config import JobConfig, resolved_critic
 from rlcore.hf_config import HFModelSpec, read_hf_config
 from rlcore.job import ConfigError
+from rlcore.judge import validate_judge
 from rlcore.nonfinite import POLICIES as NONFINITE_POLICIES
 from rlcore.layout import (INHERITED, RoleLayout, RolloutLayout, check_micro_batches, check_model_split,
                            check_rollout_split)
@@ -35,6 +36,7 @@ class JobLayout:
     total_gpus: int  # all pools together
     dtype: str  # the resolved model dtype: float32 | bfloat16
     critic: Optional[RoleLayout] = None  # None unless the advantage estimator needs values (needs_critic)
+    judge: Optional[RolloutLayout] = None  # the LLM judge's engines (reward.judge); None: no judge
 
 
 def for_another_machine(cfg: JobConfig) -> bool:
@@ -100,8 +102,10 @@ def validate(cfg: JobConfig, require_files: Optional[bool] = None) -> JobLayout:
         load_reward_fn(cfg.reward.function)
     except RewardError as e:
         raise ConfigError(str(e)) from e
+    judge = validate_judge(cfg, device, require_files, {name: lay.pool for name, lay in (
+        ("actor", actor), ("reference", reference), ("critic", critic), ("rollout", rollout)) if lay is not None})
     return JobLayout(actor=actor, reference=reference, rollout=rollout, device=device,
-                     total_gpus=sum(cfg.resources.pools.values()), dtype=dtype, critic=critic)
+                     total_gpus=sum(cfg.resources.pools.values()), dtype=dtype, critic=critic, judge=judge)
 
 
 def needs_critic(cfg: JobConfig) -> bool:
