@@ -26,7 +26,9 @@ class PromptItem:
     ground_truth: str
     data_source: str
     extra_info: dict = field(default_factory=dict)
-    messages: list = field(default_factory=list)  # the row's chat messages ({role, content}): a judge's {prompt}
+    # The prompt's chat messages, which a reward model with its own chat template re-templates; not
+    # compared (prompt_ids are the prompt).
+    messages: list = field(default_factory=list, compare=False)
 
 
 def read_rows(path: str) -> list[tuple[str, Any]]:
