@@ -233,7 +233,7 @@ class JudgeConfig:
     score_min: float = 0.0  # number: the judge's worst score
     score_max: float = 10.0  # number: the judge's best score
     max_tokens: int = 32  # the judge's output tokens per response
-    temperature: float = 0.0  # 0: greedy; above 0: sampled, seeded by the judge prompt (same prompt, same verdict)
+    temperature: float = 0.0  # 0: greedy; above 0: sampled, seeded by the batch's judge prompts (a rerun judges alike)
     max_model_len: Optional[int] = None  # judge prompt + max_tokens; None: the judge's max_position_embeddings
     kv_cache_gb: float = 0.25  # cpu profile: each judge engine's KV cache (host memory)
     gpu_memory_utilization: float = 0.3  # gpu profile: each judge engine's share of its GPU
