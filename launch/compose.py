@@ -16,7 +16,7 @@ from rlcore.data import load_task
 from rlcore.judge import judge_rollout_config
 from rlcore.layout import RoleLayout
 from rlcore.lr_schedule import role_schedule
-from rlcore.validate import JobLayout
+from rlcore.validate import REWARD_MODEL_SECTIONS, JobLayout
 from rlcore.placement import ResourcePools, math_threads, start_ray
 from rlcore.roles import Roles, RoleSpec
 from rlcore.trainer import Trainer
@@ -51,6 +51,7 @@ def job_threads(cfg: JobConfig, layout: JobLayout) -> dict[str, int]:
     ranks = {name: r.tp * r.pp * r.dp for name, r in (("actor", layout.actor), ("reference", layout.reference),
                                                        ("critic", layout.critic)) if r is not None}
     ranks["rollout"] = layout.rollout.engines * layout.rollout.tp
+    ranks.update({name: r.tp * r.pp * r.dp for name, r in layout.reward.items()})
     if layout.judge is not None:
         ranks["judge"] = layout.judge.engines * layout.judge.tp
     if cfg.trainer.off_policy_steps > 0:
@@ -70,6 +71,7 @@ def build_roles(cfg: JobConfig, layout: JobLayout) -> Roles:
         role_pools["reference"] = layout.reference.pool
     if layout.critic:
         role_pools["critic"] = layout.critic.pool
+    role_pools.update({name: r.pool for name, r in layout.reward.items()})
     if layout.judge:
         role_pools["judge"] = layout.judge.pool
     pools = ResourcePools(cfg.resources.pools, role_pools)
@@ -94,6 +96,11 @@ def build_roles(cfg: JobConfig, layout: JobLayout) -> Roles:
                                                    max_tokens_per_micro_batch=c.max_tokens_per_micro_batch,
                                                    lr_schedule=role_schedule(cfg, "critic")),
                                          pools.placement("critic"))
+        for name, lay in layout.reward.items():  # reward models: forward-only, the score head
+            section = getattr(cfg.reward, REWARD_MODEL_SECTIONS[name])
+            roles.reward[name] = MegatronGroup(role_spec(name, lay, layout, section.path, section.micro_batch_size,
+                                                         seed, head="score", threads=threads[name]),
+                                               pools.placement(name))
         # The longest sequence a job can make (the loader refuses longer prompts): vLLM sizes its
         # batches and the KV cache it must hold for one sequence by it, not by the model's context.
         max_model_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
@@ -102,9 +109,10 @@ def build_roles(cfg: JobConfig, layout: JobLayout) -> Roles:
         connect_weight_sync(roles.actor, roles.rollout, cfg.rollout.engines, cfg.rollout.bucket_mb * 1024 ** 2,
                             layout.dtype, cfg.rollout.weight_transport, timeout_s=cfg.rollout.sync_timeout_s)
         if layout.judge:  # the LLM judge's engines: the judge model, never weight-synced
-            roles.judge = RolloutPool(cfg.reward.judge.model_path, judge_rollout_config(cfg), pools.placement("judge"),
-                                      layout.device, layout.dtype, seed, max_model_len=cfg.reward.judge.max_model_len,
-                                      threads=threads["judge"], name="judge")
+            roles.reward["judge"] = RolloutPool(cfg.reward.judge.model_path, judge_rollout_config(cfg),
+                                                pools.placement("judge"), layout.device, layout.dtype, seed,
+                                                max_model_len=cfg.reward.judge.max_model_len,
+                                                threads=threads["judge"], name="judge")
     except BaseException:
         roles.shutdown()
         raise

@@ -261,7 +261,7 @@ class JudgeSource:
     def score(self, prompts: list[PromptItem], trajs, texts: list[str]):
         """One score per trajectory (``prompts[traj.prompt_index]`` is its prompt): the parser's reading
         of the judge's verdict, 0 where it reads none; a ``SourceScores``."""
-        from rlcore.reward_sources import SourceScores
+        from rlcore.reward_sources import SourceScores  # here: reward_sources imports this module to register it
         items = [prompts[t.prompt_index] for t in trajs]
         read = [verdict_score(self.cfg, v) for v in self.verdicts(items, texts)]
         unparsed = sum(r is None for r in read)
