@@ -274,8 +274,9 @@ class RewardConfig:
     # fn(data_source: str, solution_str: str, ground_truth: str, extra_info: dict) -> float | dict
     function: str = "numeric"
     # The weight of each reward source in the trained reward: rule, rm (reward.model), prm
-    # (reward.process), judge (reward.judge); e.g. {rule: 0.7, rm: 0.3}. Empty: weight 1 for each configured source; else it
-    # names every configured source (a weight of 0 keeps a source's metric without training on it).
+    # (reward.process), judge (reward.judge); e.g. {rule: 0.7, rm: 0.3}. Empty: weight 1 for each
+    # configured source; else it names every configured source (a weight of 0 keeps a source's metric
+    # without training on it).
     weights: dict[str, float] = field(default_factory=dict)
     # none | batch: batch z-scores every source's scores over the batch (mean 0, std 1) before weighting
     normalize: str = "none"
