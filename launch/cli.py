@@ -39,6 +39,8 @@ def _layout_table(layout: JobLayout) -> str:
         rows.append((name, r.pool, r.gpus, r.tp, r.pp, r.dp))
     ro = layout.rollout
     rows.append(("rollout", ro.pool, ro.gpus, ro.tp, "-", ro.engines))
+    if layout.judge is not None:
+        rows.append(("judge", layout.judge.pool, layout.judge.gpus, layout.judge.tp, "-", layout.judge.engines))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in rows)
 
