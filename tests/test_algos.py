@@ -71,7 +71,8 @@ def test_estimators_declare_what_they_need():
     assert {n for n, d in needs.items() if d.critic} == {"gae"}
     assert {n for n, d in needs.items() if d.baseline_rollout} == {"remax"}
     assert {n for n, d in needs.items() if d.groups} == {"grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline"}
-    assert ADV_ESTIMATORS.meta("reinforce_plus_plus") == EstimatorNeeds()
+    assert {n for n, d in needs.items() if d.token_rewards} == {"gae", "reinforce_plus_plus"}
+    assert ADV_ESTIMATORS.meta("reinforce_plus_plus") == EstimatorNeeds(token_rewards=True)
 
 
 def test_every_table_of_names_is_a_registry():
