@@ -38,7 +38,8 @@ def _layout_table(layout: JobLayout) -> str:
     for name, r in layout.reward.items():  # the reward models' scoring roles
         rows.append((name, r.pool, r.gpus, r.tp, r.pp, r.dp))
     ro = layout.rollout
-    rows.append(("rollout", ro.pool, ro.gpus, ro.tp, "-", ro.engines))
+    if ro is not None:  # a preference job without greedy validation has no engines
+        rows.append(("rollout", ro.pool, ro.gpus, ro.tp, "-", ro.engines))
     if layout.judge is not None:
         rows.append(("judge", layout.judge.pool, layout.judge.gpus, layout.judge.tp, "-", layout.judge.engines))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
@@ -57,6 +58,11 @@ def _check_datasets(cfg) -> None:
 
     from rlcore.data import PromptLoader, load_datasets
 
+    if cfg.algorithm.type != "rl":  # preference pairs (and DPO's greedy validation prompts)
+        from rlcore.preference_data import load_preference_task
+
+        load_preference_task(cfg)
+        return
     train, _ = load_datasets(cfg.data, AutoTokenizer.from_pretrained(cfg.model.path))
     PromptLoader(train, cfg.data.batch_size)  # refuses a dataset smaller than one batch
 
@@ -158,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "validate" and not for_another_machine(cfg):
             _check_datasets(cfg)  # `train` reads them anyway, before Ray starts
         if args.command == "plan":
+            if cfg.algorithm.type != "rl":
+                raise ConfigError(f"rlx plan models RL jobs only, not algorithm.type={cfg.algorithm.type} (its memory "
+                                  "model counts rollout samples); `rlx validate` checks this job's layout")
             return _plan(args, cfg, layout)
         if args.command == "submit":
             from launch.slurm import submit
