@@ -700,3 +700,37 @@ def overlong_penalty(response_lengths: torch.Tensor, max_len: int, buffer_len: i
     then falling linearly to -penalty_factor at max_len."""
     exceed = response_lengths.float() - (max_len - buffer_len)
     return (-exceed / buffer_len * penalty_factor).clamp(max=0.0)
+
+
+# ---------------------------------------------------------------------------- reward-model training
+def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, pair_weights: Optional[torch.Tensor] = None,
+                       margin: float | torch.Tensor = 0.0, center_coeff: float = 0.0
+                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The reward model's Bradley-Terry loss on P pairs and its additive metric contributions.
+
+    ``chosen``/``rejected`` [P]: the model's scores of each pair's chosen and rejected response. Per
+    pair ``-log sigmoid(chosen - rejected - margin)`` (the margin as in Llama 2's RM: the chosen must
+    win by at least that much), plus TRL's ``center_coeff * (chosen + rejected)^2``, which pins the
+    scores' free offset near 0. ``pair_weights`` [P] (default ``1/P``): each pair's share of the
+    mini-batch's mean; the result is ``sum(per_pair * pair_weights)``, so the shares of micro-batches
+    and DP ranks sum to the mini-batch mean (the module's contract), and so do the metrics:
+    ``rm/accuracy`` (chosen scored strictly above rejected), ``rm/margin`` (mean chosen - rejected),
+    ``rm/chosen_score``, ``rm/rejected_score``, ``rm/loss`` (the Bradley-Terry term alone)."""
+    if chosen.shape != rejected.shape or chosen.dim() != 1:
+        raise ValueError(f"bradley_terry_loss: chosen {tuple(chosen.shape)} and rejected {tuple(rejected.shape)} "
+                         "must be the same [P] shape")
+    chosen, rejected = chosen.float(), rejected.float()
+    if pair_weights is None:
+        pair_weights = torch.full_like(chosen, 1.0 / max(1, chosen.numel()))
+    w = pair_weights.float()
+    diff = chosen - rejected
+    bt = (-torch.nn.functional.logsigmoid(diff - margin) * w).sum()
+    loss = bt + center_coeff * (((chosen + rejected) ** 2) * w).sum() if center_coeff else bt
+    metrics = {
+        "rm/loss": bt.detach(),
+        "rm/accuracy": ((diff > 0).float() * w).sum().detach(),
+        "rm/margin": (diff * w).sum().detach(),
+        "rm/chosen_score": (chosen * w).sum().detach(),
+        "rm/rejected_score": (rejected * w).sum().detach(),
+    }
+    return loss, metrics
