@@ -1,5 +1,5 @@
 """Reward-model training (``algorithm.type: rm``): the Bradley-Terry loss against hand-computed
-values and its split invariance."""
+values and its split invariance, the tiny addition task's preference pairs."""
 import math
 
 import pytest
@@ -65,3 +65,23 @@ def test_bradley_terry_refuses_mismatched_shapes():
     with pytest.raises(ValueError, match=r"chosen \(3,\) and rejected \(2,\)"):
         bradley_terry_loss(CHOSEN, REJECTED[:2])
 
+
+def test_addition_pairs(tmp_path):
+    """Every prompt in both splits, the right answer always chosen, every wrong answer rejected once
+    per prompt, no held-out pair among the training pairs."""
+    import pyarrow.parquet as pq
+
+    from launch.assets import addition_rows, make_addition_pairs
+
+    train_path, val_path = make_addition_pairs(str(tmp_path))
+    train, val = pq.read_table(train_path).to_pylist(), pq.read_table(val_path).to_pylist()
+    prompts = {r["prompt"][0]["content"]: r["reward_model"]["ground_truth"] for r in addition_rows()}
+    assert (len(train), len(val)) == (25 * 9, 25 * 2)
+    for rows in (train, val):
+        assert {r["prompt"][0]["content"] for r in rows} == set(prompts)
+        for r in rows:
+            assert r["chosen"] == prompts[r["prompt"][0]["content"]] != r["rejected"]
+            assert r["prompt"] == [{"role": "user", "content": r["prompt"][0]["content"]}]
+    pairs = [(r["prompt"][0]["content"], r["rejected"]) for r in train + val]
+    assert len(set(pairs)) == len(pairs) == 25 * 11
+    assert {r["rejected"] for r in train + val} == set("0123456789+=")
