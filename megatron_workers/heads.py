@@ -120,6 +120,36 @@ class ValueHead:
         return critic_hf_config(causal_lm_config)
 
 
+class ScoreHead:
+    """A reward model's scalar score (``score_head.py``, HF ``*ForSequenceClassification``'s ``score``):
+    ``scores[:, t]`` is the output AT position t (not shifted); a row's outcome score is at its last
+    attention-mask position. Forward-only here (the reward model in the RL loop)."""
+
+    # No response mask: every position's score is computed (a PRM reads the steps' last tokens, an
+    # outcome RM the last token), and the rows run unpacked.
+    forward_keys = ("input_ids", "attention_mask")
+    train_keys: Optional[tuple[str, ...]] = None
+
+    @staticmethod
+    def build(hf, config, profile: str, vp_stage, seed: int):
+        from .score_head import build_score_model
+
+        return build_score_model(hf, config, profile, vp_stage, seed)
+
+    @staticmethod
+    def outputs(output: torch.Tensor, micro_batch: Batch, inputs, tp_group) -> dict:
+        from .score_head import token_scores
+
+        return {"scores": token_scores(output, inputs)}
+
+    @staticmethod
+    def hf_config(causal_lm_config: dict) -> dict:
+        from .score_head import seqcls_hf_config
+
+        return seqcls_hf_config(causal_lm_config)
+
+
 HEADS = Registry("RoleSpec.head")
 HEADS.add("lm", LMHead)
 HEADS.add("value", ValueHead)
+HEADS.add("score", ScoreHead)

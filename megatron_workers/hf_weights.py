@@ -20,6 +20,8 @@ Megatron layouts that differ from HF:
   first stage exports the embedding; HF has no ``lm_head.weight`` for a tied model).
 - The critic's value model (value_head.py) has a replicated ``output_layer`` = HF ``score``; an actor
   checkpoint has no ``score.weight`` (its ``lm_head.weight`` is ignored), so the head is optional.
+  A reward model's score layer (score_head.py) is ``*ForSequenceClassification``'s ``score.weight``
+  (no bias), optional in the same way (a reward model trained from a causal LM).
 """
 from __future__ import annotations
 
@@ -69,13 +71,16 @@ class ParamMapping:
 
 def param_mappings(model, hf: HFModelSpec) -> list[ParamMapping]:
     """The mapping of every parameter of this rank's (unwrapped) GPTModel, in parameter order."""
+    from .score_head import HF_SCORE_WEIGHT, is_score_model
     from .value_head import HF_BIAS, HF_WEIGHT, is_value_model
 
     layers = {str(i): layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
-    value_model = is_value_model(model)
+    value_model, score_model = is_value_model(model), is_score_model(model)
     out = []
     for name, _ in model.named_parameters():
-        if value_model and name in ("output_layer.weight", "output_layer.bias"):
+        if score_model and name == "output_layer.weight":  # a reward model's score (score_head.py)
+            out.append(ParamMapping(name, REPLICATED, (HF_SCORE_WEIGHT,), optional=True))
+        elif value_model and name in ("output_layer.weight", "output_layer.bias"):
             hf_name = HF_WEIGHT if name == "output_layer.weight" else HF_BIAS
             out.append(ParamMapping(name, REPLICATED, (hf_name,), optional=True))
         elif name == "embedding.word_embeddings.weight":

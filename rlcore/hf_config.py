@@ -15,9 +15,11 @@ from typing import Any, Optional
 
 from rlcore.job import ConfigError
 
-# *ForTokenClassification: a critic checkpoint (value_head.py), the same body with a scalar head.
+# *ForTokenClassification: a critic checkpoint (value_head.py), *ForSequenceClassification: a reward
+# model (score_head.py); the same body with a scalar head.
 SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama",
-                           "Qwen2ForTokenClassification": "qwen2", "LlamaForTokenClassification": "llama"}
+                           "Qwen2ForTokenClassification": "qwen2", "LlamaForTokenClassification": "llama",
+                           "Qwen2ForSequenceClassification": "qwen2", "LlamaForSequenceClassification": "llama"}
 
 # The llama3 RoPE scaling megatron-core implements has these constants built in
 # (models/common/embeddings/rotary_pos_embedding.py:_apply_scaling); other values are refused.

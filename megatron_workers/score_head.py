@@ -1,0 +1,98 @@
+"""The reward model's score: the GPTModel of ``model.py`` whose last stage ends in HF
+``*ForSequenceClassification``'s ``score`` (Linear(hidden, 1, bias=False), ``score.weight`` [1, hidden]).
+
+Built like the critic (value_head.py: untied, the vocabulary projection dropped, the scalar layer in
+the output layer's place, so megatron's own forward and pipeline schedules run it), with two
+differences:
+- the HF names are ``*ForSequenceClassification``'s (no bias), so a SeqCls checkpoint loads as it is;
+- the outputs are NOT shifted: ``scores[:, t]`` is the layer's output AT position t (having read tokens
+  0..t). A row's outcome score is ``scores`` at its last attention-mask position, which is what
+  transformers' SeqCls returns for a right-padded row (its last non-pad token).
+
+A checkpoint without ``score.weight`` (a causal LM a reward model starts training from) keeps the
+seeded initial layer, as the critic does.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+HF_SCORE_WEIGHT = "score.weight"
+
+
+class ScoreLayer(torch.nn.Module):
+    """Linear(hidden -> 1, no bias) standing in for GPTModel's ``output_layer``; computed in float32.
+    Replicated on every TP rank, as the value head (value_head.py explains the gradient)."""
+
+    def __init__(self, config, seed: int):
+        super().__init__()
+        device = torch.device("cpu") if config.use_cpu_initialization else torch.cuda.current_device()
+        hidden = config.hidden_size
+        self.weight = torch.nn.Parameter(torch.empty(1, hidden, dtype=config.params_dtype, device=device))
+        # Its own generator: the same initial layer on every rank and in every layout.
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            self.weight.copy_(torch.randn(1, hidden, generator=g) * config.init_method_std)
+        self.sequence_parallel = config.sequence_parallel
+
+    def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
+        """[s, b, h] (or [s/TP, b, h] under sequence parallel) -> ([s, b, 1], None), as the output
+        layer's signature."""
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
+        return F.linear(hidden_states.float(), self.weight.float()), None
+
+
+def build_score_model(hf, config, profile: str, vp_stage, seed: int):
+    """This rank's stage of the scoring GPTModel: the critic's untied build, whose last stage then
+    gets the ``ScoreLayer`` in place of the value head (a transient [1, hidden] allocation)."""
+    from .model import build_gpt_model
+
+    model = build_gpt_model(hf, config, profile, vp_stage=vp_stage, value_head_seed=seed)
+    if getattr(model, "post_process", False):
+        model.output_layer = ScoreLayer(config, seed)
+    return model
+
+
+def is_score_model(model) -> bool:
+    return isinstance(getattr(model, "output_layer", None), ScoreLayer)
+
+
+def token_scores(output: torch.Tensor, inputs) -> torch.Tensor:
+    """[b, s] float32 scores from the model's output [b, s, 1] at every position (not shifted).
+
+    The score head runs its rows unpacked and without a response mask (``ScoreHead.forward_keys``),
+    so the output layer sees every position; a selection of positions would be a caller's error."""
+    if inputs is not None and inputs.src is not None:
+        raise ValueError("the score head reads every position: its micro-batches must not carry a "
+                         "response_mask (packing selects the positions that score response tokens)")
+    return output[..., 0].float()
+
+
+def last_token_scores(scores: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B] each row's score at its last attention-mask position (right-padded rows)."""
+    last = attention_mask.long().sum(1) - 1
+    if bool((last < 0).any()):
+        raise ValueError("a row has no tokens (attention_mask all 0): it has no last token to score")
+    return scores.gather(1, last.unsqueeze(1)).squeeze(1)
+
+
+def seqcls_hf_config(causal_lm_config: dict, pad_token_id: int | None = None) -> dict:
+    """The config.json of a reward model, from its base model's *ForCausalLM (or already SeqCls)
+    config.json: the *ForSequenceClassification architecture with one label and a pad id (transformers
+    finds a row's last token by it)."""
+    archs = causal_lm_config.get("architectures") or []
+    if not archs or not all(a.endswith("ForCausalLM") or a.endswith("ForSequenceClassification") for a in archs):
+        raise ValueError(f"architectures {archs}: expected *ForCausalLM or *ForSequenceClassification")
+    out = dict(causal_lm_config)
+    out["architectures"] = [a.removesuffix("ForCausalLM") + "ForSequenceClassification"
+                            if a.endswith("ForCausalLM") else a for a in archs]
+    out.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    if pad_token_id is not None:
+        out["pad_token_id"] = pad_token_id
+    if out.get("pad_token_id") is None:
+        raise ValueError("a sequence-classification config needs a pad_token_id (transformers finds each "
+                         "row's last token by it)")
+    return out
