@@ -36,7 +36,8 @@ def _layout_table(layout: JobLayout) -> str:
         if r is not None:
             rows.append((role, r.pool, r.gpus, r.tp, r.pp, r.dp))
     ro = layout.rollout
-    rows.append(("rollout", ro.pool, ro.gpus, ro.tp, "-", ro.engines))
+    if ro is not None:  # a preference job without greedy validation has no engines
+        rows.append(("rollout", ro.pool, ro.gpus, ro.tp, "-", ro.engines))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in rows)
 
@@ -53,6 +54,11 @@ def _check_datasets(cfg) -> None:
 
     from rlcore.data import PromptLoader, load_datasets
 
+    if cfg.algorithm.type != "rl":  # preference pairs (and DPO's greedy validation prompts)
+        from rlcore.preference_data import load_preference_task
+
+        load_preference_task(cfg)
+        return
     train, _ = load_datasets(cfg.data, AutoTokenizer.from_pretrained(cfg.model.path))
     PromptLoader(train, cfg.data.batch_size)  # refuses a dataset smaller than one batch
 

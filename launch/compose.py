@@ -49,7 +49,8 @@ def job_threads(cfg: JobConfig, layout: JobLayout) -> dict[str, int]:
     nodes = max(1, cfg.resources.nodes)
     ranks = {name: r.tp * r.pp * r.dp for name, r in (("actor", layout.actor), ("reference", layout.reference),
                                                        ("critic", layout.critic)) if r is not None}
-    ranks["rollout"] = layout.rollout.engines * layout.rollout.tp
+    if layout.rollout is not None:
+        ranks["rollout"] = layout.rollout.engines * layout.rollout.tp
     if cfg.trainer.off_policy_steps > 0:
         everyone = math_threads(cores, -(-sum(ranks.values()) // nodes))
         return {name: everyone for name in ranks}
@@ -102,8 +103,55 @@ def build_roles(cfg: JobConfig, layout: JobLayout) -> Roles:
     return roles
 
 
-def build_trainer(cfg: JobConfig, layout: JobLayout) -> Trainer:
+def build_preference_roles(cfg: JobConfig, layout: JobLayout) -> Roles:
+    """The roles of a preference job (algorithm.type dpo | rm): the trained actor with the objective's head,
+    the forward-only reference when the objective needs it, and a rollout pool with the weight sync
+    only for DPO's greedy validation (algorithm.dpo.greedy_val_files)."""
+    from megatron_workers import MegatronGroup
+    from rlcore.preference_losses import PREFERENCE_OBJECTIVES
+
+    objective = PREFERENCE_OBJECTIVES.meta(cfg.algorithm.type)
+    start_ray(layout.device, layout.total_gpus, cfg.resources.ray_address, cfg.resources.num_cpus)
+    role_pools = {"actor": layout.actor.pool}
+    for name in ("reference", "rollout"):
+        if getattr(layout, name) is not None:
+            role_pools[name] = getattr(layout, name).pool
+    pools = ResourcePools(cfg.resources.pools, role_pools)
+    roles = Roles(actor=None, rollout=None, on_shutdown=[pools.shutdown])
+    seed, a = cfg.trainer.seed, cfg.actor
+    threads = job_threads(cfg, layout)
+    try:
+        roles.actor = MegatronGroup(role_spec("actor", layout.actor, layout, cfg.model.path, a.micro_batch_size, seed,
+                                              head=objective.head, optim=a.optim, threads=threads["actor"],
+                                              lr_schedule=role_schedule(cfg, "actor")),
+                                    pools.placement("actor"))
+        if layout.reference:
+            roles.reference = MegatronGroup(role_spec("reference", layout.reference, layout, cfg.model.path,
+                                                      cfg.reference.micro_batch_size or a.micro_batch_size, seed,
+                                                      threads=threads["reference"], **reference_shape(cfg)),
+                                            pools.placement("reference"))
+        if layout.rollout:
+            from rollout import RolloutPool
+
+            roles.rollout = RolloutPool(cfg.model.path, cfg.rollout, pools.placement("rollout"), layout.device,
+                                        layout.dtype, seed, max_model_len=cfg.data.max_prompt_length +
+                                        cfg.rollout.max_response_length, threads=threads["rollout"])
+            connect_weight_sync(roles.actor, roles.rollout, cfg.rollout.engines, cfg.rollout.bucket_mb * 1024 ** 2,
+                                layout.dtype, cfg.rollout.weight_transport, timeout_s=cfg.rollout.sync_timeout_s)
+    except BaseException:
+        roles.shutdown()
+        raise
+    return roles
+
+
+def build_trainer(cfg: JobConfig, layout: JobLayout):
     checkpoint.seed_everything(cfg.trainer.seed)  # python, numpy, torch of the controller
+    if cfg.algorithm.type != "rl":  # DPO / reward-model training on preference pairs
+        from rlcore.preference import PreferenceTrainer
+        from rlcore.preference_data import load_preference_task
+
+        task = load_preference_task(cfg)
+        return PreferenceTrainer(cfg, task, build_preference_roles(cfg, layout))
     task = load_task(cfg)
     return Trainer(cfg, task, build_roles(cfg, layout))
 

@@ -149,7 +149,35 @@ class ScoreHead:
         return seqcls_hf_config(causal_lm_config)
 
 
+class DPOHead(LMHead):
+    """The policy trained on preference pairs (algorithm.type=dpo): the LM head's build, forward and
+    export; the loss is DPO's or IPO's (``rlcore.preference_losses.dpo_batch_loss``) on the sequence
+    log-probs of the micro-batch's pairs (rows 2i, 2i+1) against the reference's ``ref_logprobs``."""
+
+    train_keys = ("input_ids", "attention_mask", "response_mask", "ref_logprobs", "loss_weights")
+
+    @staticmethod
+    def check_update(batch: Batch, role: str) -> None:
+        missing = [k for k in DPOHead.train_keys if k not in batch]
+        if missing:
+            raise ValueError(f"{role} update: the preference batch has no {missing} (rlcore/preference.py sets "
+                             "ref_logprobs from the reference and loss_weights over the mini-batch's pairs)")
+        if batch.size % 2:
+            raise ValueError(f"{role} update: {batch.size} rows are not whole (chosen, rejected) pairs")
+
+    @staticmethod
+    def loss(output: torch.Tensor, micro_batch: Batch, inputs, loss_cfg, tp_group):
+        from rlcore.preference_losses import dpo_batch_loss
+
+        from .logprobs import scored_logprobs_and_entropy
+
+        logprobs, _ = scored_logprobs_and_entropy(output, micro_batch["input_ids"], inputs, 1.0, tp_group)
+        loss, metrics = dpo_batch_loss(logprobs, micro_batch, loss_cfg)
+        return loss, metrics, {}
+
+
 HEADS = Registry("RoleSpec.head")
 HEADS.add("lm", LMHead)
 HEADS.add("value", ValueHead)
 HEADS.add("score", ScoreHead)
+HEADS.add("dpo", DPOHead)

@@ -241,7 +241,24 @@ class OverlongBufferConfig:
 
 
 @dataclass
+class DPOConfig:
+    """DPO's knobs (``algorithm.dpo``, algorithm.type=dpo): what ``rlcore.preference_losses.dpo_loss``
+    reads on the workers, as the actor's loss config."""
+    beta: float = 0.1  # the implicit reward's scale: beta * (log pi - log pi_ref) summed over the completion
+    loss_type: str = "sigmoid"  # sigmoid (DPO: -logsigmoid(beta * margin)) | ipo ((margin - 1/(2 beta))^2)
+    label_smoothing: float = 0.0  # sigmoid: the assumed probability that a pair's label is flipped (cDPO)
+    # verl-schema prompt files (prompt + reward_model.ground_truth) answered greedily by a rollout engine
+    # with the current weights every trainer.val_every steps (and before step 1) and scored by
+    # reward.function: val/reward_mean, the policy's held-out accuracy. Empty: no rollout pool is built.
+    greedy_val_files: list[str] = field(default_factory=list)
+
+
+@dataclass
 class AlgorithmConfig:
+    # rl: sample, reward, advantages, policy update (PPO/GRPO/...); or a preference objective trained on
+    # prompt/chosen/rejected pairs (rlcore/preference.py; rlcore.preference_losses.PREFERENCE_OBJECTIVES):
+    # dpo (the policy with the DPO/IPO loss against the reference) | rm (a reward model, Bradley-Terry)
+    type: str = "rl"
     # gae | grpo | drgrpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax
     adv_estimator: str = "grpo"
     norm_adv_by_std: bool = True  # grpo: divide by the group's std (false: Dr.GRPO's centring only)
@@ -252,6 +269,7 @@ class AlgorithmConfig:
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)  # algorithm.type=dpo
 
 
 @dataclass

@@ -30,7 +30,7 @@ DATA_SUFFIXES = (".parquet", ".jsonl")
 class JobLayout:
     actor: RoleLayout
     reference: Optional[RoleLayout]  # None when no KL needs it (actor.loss.kl_coeff == 0, no algorithm.kl_in_reward)
-    rollout: RolloutLayout
+    rollout: Optional[RolloutLayout]  # None: a preference job without greedy validation generates nothing
     device: str  # the resolved profile: cpu | gpu
     total_gpus: int  # all pools together
     dtype: str  # the resolved model dtype: float32 | bfloat16
@@ -47,6 +47,10 @@ def validate(cfg: JobConfig, require_files: Optional[bool] = None) -> JobLayout:
     """Check everything that can be checked before start-up; raise ``ConfigError`` on the first
     problem, else return the resolved layout of every role. ``require_files`` (default: unless the
     spec is ``for_another_machine``) also checks that the weights and data files are here."""
+    if cfg.algorithm.type != "rl":  # a preference objective (DPO, reward-model training): its own roles
+        from rlcore.preference_validate import validate_preference
+
+        return validate_preference(cfg, require_files)
     if require_files is None:
         require_files = not for_another_machine(cfg)
     _check_ranges(cfg)
