@@ -15,7 +15,7 @@ from rlcore.config import JobConfig
 from rlcore.data import load_task
 from rlcore.layout import RoleLayout
 from rlcore.lr_schedule import role_schedule
-from rlcore.validate import JobLayout
+from rlcore.validate import REWARD_MODEL_SECTIONS, JobLayout
 from rlcore.placement import ResourcePools, math_threads, start_ray
 from rlcore.roles import Roles, RoleSpec
 from rlcore.trainer import Trainer
@@ -51,6 +51,7 @@ def job_threads(cfg: JobConfig, layout: JobLayout) -> dict[str, int]:
                                                        ("critic", layout.critic)) if r is not None}
     if layout.rollout is not None:
         ranks["rollout"] = layout.rollout.engines * layout.rollout.tp
+    ranks.update({name: r.tp * r.pp * r.dp for name, r in layout.reward.items()})
     if cfg.trainer.off_policy_steps > 0:
         everyone = math_threads(cores, -(-sum(ranks.values()) // nodes))
         return {name: everyone for name in ranks}
@@ -68,6 +69,7 @@ def build_roles(cfg: JobConfig, layout: JobLayout) -> Roles:
         role_pools["reference"] = layout.reference.pool
     if layout.critic:
         role_pools["critic"] = layout.critic.pool
+    role_pools.update({name: r.pool for name, r in layout.reward.items()})
     pools = ResourcePools(cfg.resources.pools, role_pools)
     roles = Roles(actor=None, rollout=None, on_shutdown=[pools.shutdown])
     seed, a, c = cfg.trainer.seed, cfg.actor, cfg.critic
@@ -90,6 +92,11 @@ def build_roles(cfg: JobConfig, layout: JobLayout) -> Roles:
                                                    max_tokens_per_micro_batch=c.max_tokens_per_micro_batch,
                                                    lr_schedule=role_schedule(cfg, "critic")),
                                          pools.placement("critic"))
+        for name, lay in layout.reward.items():  # reward models: forward-only, the score head
+            section = getattr(cfg.reward, REWARD_MODEL_SECTIONS[name])
+            roles.reward[name] = MegatronGroup(role_spec(name, lay, layout, section.path, section.micro_batch_size,
+                                                         seed, head="score", threads=threads[name]),
+                                               pools.placement(name))
         # The longest sequence a job can make (the loader refuses longer prompts): vLLM sizes its
         # batches and the KV cache it must hold for one sequence by it, not by the model's context.
         max_model_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length

@@ -7,7 +7,8 @@ differences:
 - the HF names are ``*ForSequenceClassification``'s (no bias), so a SeqCls checkpoint loads as it is;
 - the outputs are NOT shifted: ``scores[:, t]`` is the layer's output AT position t (having read tokens
   0..t). A row's outcome score is ``scores`` at its last attention-mask position, which is what
-  transformers' SeqCls returns for a right-padded row (its last non-pad token).
+  transformers' SeqCls returns for a right-padded row (its last non-pad token;
+  ``rlcore.reward_sources.last_token_scores``).
 
 A checkpoint without ``score.weight`` (a causal LM a reward model starts training from) keeps the
 seeded initial layer, as the critic does.
@@ -69,14 +70,6 @@ def token_scores(output: torch.Tensor, inputs) -> torch.Tensor:
         raise ValueError("the score head reads every position: its micro-batches must not carry a "
                          "response_mask (packing selects the positions that score response tokens)")
     return output[..., 0].float()
-
-
-def last_token_scores(scores: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """[B] each row's score at its last attention-mask position (right-padded rows)."""
-    last = attention_mask.long().sum(1) - 1
-    if bool((last < 0).any()):
-        raise ValueError("a row has no tokens (attention_mask all 0): it has no last token to score")
-    return scores.gather(1, last.unsqueeze(1)).squeeze(1)
 
 
 def seqcls_hf_config(causal_lm_config: dict, pad_token_id: int | None = None) -> dict:

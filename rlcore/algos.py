@@ -99,6 +99,9 @@ class EstimatorNeeds:
     critic: bool = False  # the critic's values (AdvantageInputs.values): the job gets a critic
     groups: bool = False  # its baseline is the other samples of the same prompt: rollout.n >= 2
     baseline_rollout: bool = False  # a greedy response per prompt (AdvantageInputs.baseline_scores)
+    # Uses rewards on any response token, not only their sum (a process reward model's step scores:
+    # reward.process.aggregate=token); the outcome estimators see only each sample's total.
+    token_rewards: bool = False
 
 
 AdvantageFn = Callable[[AdvantageInputs, float, float, bool], tuple[torch.Tensor, torch.Tensor]]
@@ -166,7 +169,7 @@ def _per_token(per_sample: torch.Tensor, inputs: AdvantageInputs) -> tuple[torch
     return adv, adv.clone()
 
 
-@ADV_ESTIMATORS.register("gae", critic=True)
+@ADV_ESTIMATORS.register("gae", critic=True, token_rewards=True)
 def gae_advantages(inputs: AdvantageInputs, gamma: float, lam: float, norm_adv_by_std: bool):
     """Generalised advantage estimation over the response tokens, then whitened over the batch.
 
@@ -225,7 +228,7 @@ def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: f
     return out
 
 
-@ADV_ESTIMATORS.register("reinforce_plus_plus")
+@ADV_ESTIMATORS.register("reinforce_plus_plus", token_rewards=True)
 def _reinforce_pp(inputs: AdvantageInputs, gamma: float, lam: float, norm_adv_by_std: bool):
     """REINFORCE++: token-level discounted returns (per-token KL penalty included), whitened over the batch."""
     returns = discounted_returns(inputs.token_rewards, inputs.response_mask, gamma)

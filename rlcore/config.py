@@ -212,11 +212,47 @@ class DataConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    """An outcome reward model in the loop (the "rm" reward source, rlcore/reward_sources.py): a
+    forward-only Megatron role with the score head scoring each prompt+response at its last token."""
+    # HF *ForSequenceClassification folder with num_labels 1 (config.json, *.safetensors, tokenizer);
+    # null: no reward model. When its tokenizer or chat template differs from the policy's, each
+    # prompt (its chat messages, as user) + response (as assistant) is re-tokenised with its own.
+    path: Optional[str] = None
+    pool: Optional[str] = None  # default: the actor's pool (time-shared, as roles on one pool do)
+    tp: int = 1
+    pp: int = 1  # DP = the pool's GPUs / (tp * pp)
+    micro_batch_size: int = 8  # sequences per forward micro-batch, per DP rank
+
+
+@dataclass
+class ProcessRewardConfig(RewardModelConfig):
+    """A process reward model (the "prm" reward source): the same kind of checkpoint and role, read at
+    the last token of every reasoning step of the response (a step ends with the separator, the last
+    step with the response). It must share the policy's tokenizer (steps are placed on its tokens)."""
+    separator: str = "\n\n"  # the text that ends a step (it belongs to the step it ends)
+    separator_token_id: Optional[int] = None  # instead of separator: the token that ends a step
+    # token: each step's score is a token reward on its last token (estimators that take token rewards:
+    # gae, reinforce_plus_plus); min | last | mean: the step scores' min/last/mean is one sequence score
+    # (any estimator)
+    aggregate: str = "token"
+
+
+@dataclass
 class RewardConfig:
+    # The "rule" reward source, always present (validation's held-out accuracy is its score):
     # "numeric": the built-in verifier (the response's final number equals ground_truth), or any
     # user function given as "module:function" or "path/to/file.py:function" with signature
     # fn(data_source: str, solution_str: str, ground_truth: str, extra_info: dict) -> float | dict
     function: str = "numeric"
+    # The weight of each reward source in the trained reward: rule, rm (reward.model), prm
+    # (reward.process); e.g. {rule: 0.7, rm: 0.3}. Empty: weight 1 for each configured source; else it
+    # names every configured source (a weight of 0 keeps a source's metric without training on it).
+    weights: dict[str, float] = field(default_factory=dict)
+    # none | batch: batch z-scores every source's scores over the batch (mean 0, std 1) before weighting
+    normalize: str = "none"
+    model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    process: ProcessRewardConfig = field(default_factory=ProcessRewardConfig)
 
 
 @dataclass

@@ -26,6 +26,9 @@ class PromptItem:
     ground_truth: str
     data_source: str
     extra_info: dict = field(default_factory=dict)
+    # The prompt's chat messages, which a reward model with its own chat template re-templates; not
+    # compared (prompt_ids are the prompt).
+    messages: list = field(default_factory=list, compare=False)
 
 
 def read_rows(path: str) -> list[tuple[str, Any]]:
@@ -145,7 +148,7 @@ class PromptDataset:
             raise DataError(f"{where}: the prompt is {len(prompt_ids)} tokens, longer than "
                             f"data.max_prompt_length={self.max_prompt_length}")
         return PromptItem(index=index, prompt_ids=prompt_ids, ground_truth=str(ground_truth),
-                          data_source=data_source, extra_info=extra_info)
+                          data_source=data_source, extra_info=extra_info, messages=messages)
 
 
 def _describe(value: Any) -> str:

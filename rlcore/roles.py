@@ -116,6 +116,9 @@ class Roles:
     rollout: Generator  # also the weight sync's WeightReceiver
     reference: Optional[ForwardRole] = None
     critic: Optional[TrainableRole] = None
+    # The roles reward sources score with, by source name (rlcore/reward_sources.py): "rm", "prm" (a
+    # ForwardRole with the score head), a judge's engines.
+    reward: dict[str, Any] = field(default_factory=dict)
     on_shutdown: list[Callable[[], Any]] = field(default_factory=list)
 
     def trainable(self) -> dict[str, TrainableRole]:
@@ -123,7 +126,7 @@ class Roles:
         return {name: role for name, role in (("actor", self.actor), ("critic", self.critic)) if role is not None}
 
     def shutdown(self) -> None:
-        for role in (self.rollout, self.critic, self.reference, self.actor):
+        for role in (self.rollout, *self.reward.values(), self.critic, self.reference, self.actor):
             if role is not None:
                 role.shutdown()
         for release in self.on_shutdown:

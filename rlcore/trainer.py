@@ -26,7 +26,8 @@ from rlcore.data import PromptItem, Task
 from rlcore.engine_restarts import EngineRestarts
 from rlcore.metrics import MetricsLogger, timer
 from rlcore.nonfinite import NonFiniteGuard
-from rlcore.reward import RewardError, compute_rewards
+from rlcore.reward import RewardError
+from rlcore.reward_sources import RewardCombination, SourceScores, placed_token_rewards, total_rewards
 from rlcore.roles import Roles, UpdateResult
 from rlcore.rollout_queue import RolloutQueue, staleness
 
@@ -38,20 +39,23 @@ class SamplingError(RuntimeError):
 @dataclasses.dataclass
 class Samples:
     """One step's sampled batch: the prompts, their rollout.n trajectories each (grouped by prompt,
-    in order), each trajectory's score and, for estimators that need one, the score of the greedy
-    response to its prompt."""
+    in order), each trajectory's score (on its last token), its token rewards (a process reward
+    model's, per response token) and, for estimators that need one, the score of the greedy response
+    to its prompt."""
     prompts: list[PromptItem]
     trajs: list[Trajectory]
     scores: torch.Tensor
     baseline_scores: torch.Tensor | None = None
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # what sampling it reported
+    token_rewards: list[torch.Tensor] | None = None
 
 
 class Trainer:
     def __init__(self, cfg: JobConfig, task: Task, roles: Roles):
         self.cfg, self.task, self.roles = cfg, task, roles
         self.actor, self.reference, self.critic, self.rollout = roles.actor, roles.reference, roles.critic, roles.rollout
-        self.tokenizer, self.reward_fn, self.loader, self.val_set = task.tokenizer, task.reward_fn, task.loader, task.val_set
+        self.tokenizer, self.loader, self.val_set = task.tokenizer, task.loader, task.val_set
+        self.rewards = RewardCombination.for_job(cfg, task, roles.reward)  # reward.weights over the sources
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon) if cfg.algorithm.kl_in_reward else None
         self.version = 0  # the engines start from the same HF checkpoint as the actor
@@ -62,6 +66,15 @@ class Trainer:
         # and checkpoints wait for it to go idle.
         self.rollouts = RolloutQueue(self.sample_batch, cfg.trainer.off_policy_steps, self.loader.state_dict,
                                      last_batch=cfg.trainer.total_steps)
+
+    @property
+    def reward_fn(self):
+        """The rule source's reward function (reward.function)."""
+        return self.rewards.by_name["rule"].fn
+
+    @reward_fn.setter
+    def reward_fn(self, fn) -> None:
+        self.rewards.by_name["rule"].fn = fn
 
     # ------------------------------------------------------------------------------ the iteration
     def fit(self) -> list[dict]:
@@ -123,7 +136,7 @@ class Trainer:
             self.rollouts.wait_idle()
         with timer("weight_sync", m):
             self.sync_weights(self.version + 1)
-        m.update(batch_metrics(batch, s.trajs, s.scores))
+        m.update(batch_metrics(batch, s.trajs, total_rewards(s.scores, s.token_rewards)))
         m.update(self.nonfinite.metrics())
         m.update({"weights/version": float(self.version), "rollout/engine_restarts": float(self.engines.restarts),
                   "timing/step_s": time.perf_counter() - t0})
@@ -145,6 +158,7 @@ class Trainer:
         prompts: list[PromptItem] = []
         trajs: list[Trajectory] = []
         scores: list[torch.Tensor] = []
+        tokens: list[torch.Tensor] | None = None
         for draw in range(1, (ds.max_gen_batches if ds.enable else 1) + 1):
             drawn: list[PromptItem] = next(self.loader)
             with timer("rollout", m):
@@ -153,23 +167,27 @@ class Trainer:
                                             top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.max_response_length,
                                             seed=cfg.trainer.seed * 100_003 + step + 1_000_000 * (draw - 1))
             with timer("reward", m):
-                new_scores, reward_metrics = self.score(drawn, new, step)
+                rewards = self.score(drawn, new, step)
             if draw == 1:  # what the policy scores on a plain batch, before any filtering
-                m.update(reward_metrics)
-            new_scores = new_scores + self.shaping(new, m)
+                m.update(rewards.metrics)
+            new_scores = rewards.sequence + self.shaping(new, m)
             if not ds.enable:
-                return self.with_baseline(Samples(drawn, new, new_scores), m)
-            keep = groups_with_variance(new_scores, torch.tensor([t.prompt_index for t in new]))
+                return self.with_baseline(Samples(drawn, new, new_scores, token_rewards=rewards.token), m)
+            keep = groups_with_variance(total_rewards(new_scores, rewards.token),
+                                        torch.tensor([t.prompt_index for t in new]))
             kept_prompts = sorted({t.prompt_index for t, k in zip(new, keep) if k})
             renumber = {old: len(prompts) + i for i, old in enumerate(kept_prompts)}
             prompts += [drawn[i] for i in kept_prompts]
             trajs += [dataclasses.replace(t, prompt_index=renumber[t.prompt_index]) for t, k in zip(new, keep) if k]
             scores.append(new_scores[keep])
+            if rewards.token is not None:
+                tokens = (tokens or []) + [t for t, k in zip(rewards.token, keep) if k]
             m["dynamic_sampling/gen_batches"] = float(draw)
             if len(prompts) >= cfg.data.batch_size:
                 n_keep = cfg.data.batch_size * cfg.rollout.n  # trajectories are grouped by prompt, in order
                 return self.with_baseline(Samples(prompts[:cfg.data.batch_size], trajs[:n_keep],
-                                                  torch.cat(scores)[:n_keep]), m)
+                                                  torch.cat(scores)[:n_keep],
+                                                  token_rewards=None if tokens is None else tokens[:n_keep]), m)
         raise SamplingError(
             f"step {step}: dynamic sampling kept {len(prompts)} of the data.batch_size={cfg.data.batch_size} "
             f"prompts after algorithm.dynamic_sampling.max_gen_batches={ds.max_gen_batches} generation rounds "
@@ -182,7 +200,8 @@ class Trainer:
         with timer("baseline_rollout", m):
             greedy = self.engines.generate([p.prompt_ids for p in s.prompts], n=1, temperature=0.0, top_p=1.0,
                                            top_k=-1, max_tokens=self.cfg.rollout.max_response_length)
-            greedy_scores = self.score(s.prompts, greedy)[0] + self.shaping(greedy, {})
+            rewards = self.score(s.prompts, greedy)
+            greedy_scores = total_rewards(rewards.sequence, rewards.token) + self.shaping(greedy, {})
         m["reward/greedy_baseline_mean"] = greedy_scores.mean().item()
         return dataclasses.replace(s, baseline_scores=greedy_scores[torch.tensor([t.prompt_index for t in s.trajs])])
 
@@ -197,9 +216,12 @@ class Trainer:
         return penalty
 
     def compute_advantages(self, batch: Batch, s: Samples) -> dict[str, float]:
-        """Token rewards (score on the last token, minus the in-reward KL), then advantages and returns."""
+        """Token rewards (score on the last token, plus a process reward model's, minus the in-reward
+        KL), then advantages and returns."""
         alg, mask, m = self.cfg.algorithm, batch["response_mask"], {}
         token_rewards = last_token_rewards(s.scores, mask)
+        if s.token_rewards is not None:
+            token_rewards = token_rewards + placed_token_rewards(s.token_rewards, mask)
         if self.kl_ctrl is not None:
             token_rewards, kl = apply_kl_penalty(token_rewards, batch["old_logprobs"], batch["ref_logprobs"],
                                                  mask, self.kl_ctrl.value, alg.kl_penalty)
@@ -245,22 +267,27 @@ class Trainer:
         self.version = version
 
     # ---------------------------------------------------------------------------------- helpers
-    def score(self, prompts: list[PromptItem], trajs: list[Trajectory], step: int | None = None):
-        items = [prompts[tr.prompt_index] for tr in trajs]
+    def score(self, prompts: list[PromptItem], trajs: list[Trajectory], step: int | None = None,
+              only: str | None = None) -> SourceScores:
+        """The trajectories' rewards from every reward source, combined (``reward.weights``); ``only``:
+        one source's scores alone."""
         texts = [self.tokenizer.decode(tr.response_ids, skip_special_tokens=True) for tr in trajs]
         try:
-            return compute_rewards(self.reward_fn, items, texts, spec=self.cfg.reward.function)
+            if only is not None:
+                return self.rewards.by_name[only].score(prompts, trajs, texts)
+            return self.rewards.score(prompts, trajs, texts)
         except RewardError as e:
             raise RewardError(f"step {step}: {e}" if step is not None else str(e)) from e
 
     def validate(self) -> dict[str, float]:
-        """Greedy accuracy (mean reward) on the validation prompts with the current weights."""
+        """Greedy accuracy on the validation prompts with the current weights: the mean score of the
+        rule source (reward.function, the verifier), whatever the training reward combines: held-out
+        accuracy is measured by the verifier, never by a reward model."""
         items = list(self.val_set)
         self.rollouts.wait_idle()  # never next to a generation on the same engines
         trajs = self.engines.generate([p.prompt_ids for p in items], n=1, temperature=0.0, top_p=1.0, top_k=-1,
                                       max_tokens=self.cfg.rollout.max_response_length)
-        scores, _ = self.score(items, trajs)
-        return {"val/reward_mean": scores.mean().item()}
+        return {"val/reward_mean": self.score(items, trajs, only="rule").sequence.mean().item()}
 
     # ------------------------------------------------------------------------ checkpoint state
     def state_dict(self, step: int) -> dict:

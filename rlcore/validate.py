@@ -6,8 +6,9 @@ key; ``validate`` returns the resolved ``JobLayout`` of every role. The layout c
 from __future__ import annotations
 
 import glob
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from rlcore import algos, lr_schedule
@@ -19,6 +20,7 @@ from rlcore.layout import (INHERITED, RoleLayout, RolloutLayout, check_micro_bat
                            check_rollout_split)
 from rlcore.loggers import check_loggers
 from rlcore.reward import RewardError, load_reward_fn
+from rlcore import reward_sources
 from rlcore.weight_sync import TRANSPORTS
 
 DTYPES = ("auto", "float32", "bfloat16")
@@ -35,6 +37,7 @@ class JobLayout:
     total_gpus: int  # all pools together
     dtype: str  # the resolved model dtype: float32 | bfloat16
     critic: Optional[RoleLayout] = None  # None unless the advantage estimator needs values (needs_critic)
+    reward: dict[str, RoleLayout] = field(default_factory=dict)  # the scoring roles by source: "rm", "prm"
 
 
 def for_another_machine(cfg: JobConfig) -> bool:
@@ -104,8 +107,112 @@ def validate(cfg: JobConfig, require_files: Optional[bool] = None) -> JobLayout:
         load_reward_fn(cfg.reward.function)
     except RewardError as e:
         raise ConfigError(str(e)) from e
+    reward = reward_layouts(cfg, model, require_files)
     return JobLayout(actor=actor, reference=reference, rollout=rollout, device=device,
-                     total_gpus=sum(cfg.resources.pools.values()), dtype=dtype, critic=critic)
+                     total_gpus=sum(cfg.resources.pools.values()), dtype=dtype, critic=critic, reward=reward)
+
+
+# ------------------------------------------------------------------------------- reward models
+REWARD_MODEL_SECTIONS = {"rm": "model", "prm": "process"}  # source name -> its section of reward:
+
+
+def reward_layouts(cfg: JobConfig, model: HFModelSpec, require_files: bool) -> dict[str, RoleLayout]:
+    """The reward sources' keys (rlcore/reward_sources.py), and the layout of each scoring role the spec
+    configures (reward.model, reward.process), checked against its own checkpoint."""
+    _one_of("reward.normalize", cfg.reward.normalize, reward_sources.NORMALIZE)
+    try:
+        reward_sources.source_weights(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    layouts = {}
+    for name, attr in REWARD_MODEL_SECTIONS.items():
+        section, key = getattr(cfg.reward, attr), f"reward.{attr}"
+        if section.path is None:
+            continue
+        for sub in ("tp", "pp", "micro_batch_size"):
+            if not getattr(section, sub) > 0:
+                raise ConfigError(f"{key}.{sub}={getattr(section, sub)} must be positive")
+        pool = section.pool or cfg.actor.pool
+        if pool not in cfg.resources.pools:
+            raise ConfigError(f"{key}.pool={pool!r} is not a pool in resources.pools "
+                              f"(pools: {', '.join(cfg.resources.pools)})")
+        if pool == cfg.rollout.pool:
+            raise ConfigError(f"{key}.pool and rollout.pool are both {pool!r}: colocating a reward model and "
+                              "rollout on one pool is not supported yet")
+        layouts[name] = _role_layout(cfg, key, pool, section.tp, section.pp, 1, defaulted=False)
+        if name == "prm":
+            _check_process_keys(cfg, model)
+        if require_files or os.path.isdir(section.path):
+            scorer = _read_reward_model(section.path, f"{key}.path")
+            check_model_split(scorer, section.tp, section.pp, 1, key)
+            if os.path.isdir(cfg.model.path):  # the policy's tokenizer is here to compare with
+                _check_reward_tokenizer(cfg, name, section.path, key, scorer)
+    return layouts
+
+
+def _read_reward_model(path: str, key: str) -> HFModelSpec:
+    """A reward model's shape; one sentence unless ``path`` is an HF *ForSequenceClassification
+    checkpoint with one label."""
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ConfigError(f"{key}={path} is not a HuggingFace model folder (no config.json); expected a "
+                          "*ForSequenceClassification checkpoint with num_labels 1")
+    try:
+        with open(config_path) as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{key}={config_path} is not valid JSON: {e}") from e
+    archs = raw.get("architectures") or [] if isinstance(raw, dict) else []
+    if not archs or not all(isinstance(a, str) and a.endswith("ForSequenceClassification") for a in archs):
+        raise ConfigError(f"{key}={path} is not a sequence-classification checkpoint: its config.json has "
+                          f"architectures {archs} (expected an HF *ForSequenceClassification with num_labels 1)")
+    # transformers' default for a config without num_labels or id2label is 2 labels.
+    labels = raw.get("num_labels") or len(raw.get("id2label") or {}) or 2
+    if labels != 1:
+        raise ConfigError(f"{key}={path} has {labels} labels (config.json num_labels/id2label); a reward model "
+                          "scores with one (num_labels 1)")
+    return _read_model(path, key=key)
+
+
+def _check_process_keys(cfg: JobConfig, model: HFModelSpec) -> None:
+    p, estimator = cfg.reward.process, cfg.algorithm.adv_estimator
+    _one_of("reward.process.aggregate", p.aggregate, reward_sources.PRM_AGGREGATES)
+    if p.aggregate == "token" and not algos.ADV_ESTIMATORS.meta(estimator).token_rewards:
+        users = [n for n in algos.ADV_ESTIMATORS if algos.ADV_ESTIMATORS.meta(n).token_rewards]
+        raise ConfigError(f"reward.process.aggregate=token puts step rewards on tokens, which "
+                          f"algorithm.adv_estimator={estimator} cannot use (it sees each sample's total only); "
+                          f"use {' or '.join(users)}, or reward.process.aggregate=min, last or mean")
+    if p.separator_token_id is not None:
+        if not 0 <= p.separator_token_id < model.vocab_size:
+            raise ConfigError(f"reward.process.separator_token_id={p.separator_token_id} is not a token id of the "
+                              f"policy's vocabulary (0..{model.vocab_size - 1})")
+    elif not p.separator:
+        raise ConfigError("reward.process.separator is empty: give the text that ends a step (e.g. \"\\n\\n\") or "
+                          "reward.process.separator_token_id")
+
+
+def _check_reward_tokenizer(cfg: JobConfig, name: str, path: str, key: str, scorer: HFModelSpec) -> None:
+    """A scoring model sharing the policy's tokenizer reads the policy's ids (their length is bounded
+    here); one with its own re-tokenises the chat, which needs its chat template. A PRM must share it."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # transformers raises several types for a folder without a usable tokenizer
+        raise ConfigError(f"{key}.path: cannot load its tokenizer ({type(e).__name__}: {e})") from e
+    if not reward_sources.same_tokenizer(tokenizer, AutoTokenizer.from_pretrained(cfg.model.path)):
+        if name == "prm":
+            raise ConfigError(f"{key}.path: the process reward model's tokenizer or chat template differs from "
+                              "the policy's (model.path); it must share them, since its step scores are placed "
+                              "on the policy's tokens")
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ConfigError(f"{key}.path: its tokenizer differs from the policy's and has no chat template, "
+                              "so the prompt and response cannot be re-tokenised for it")
+        return
+    total = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    if total > scorer.max_position_embeddings:
+        raise ConfigError(f"data.max_prompt_length+rollout.max_response_length={total} exceeds {key}'s "
+                          f"max_position_embeddings={scorer.max_position_embeddings} ({scorer.source})")
 
 
 def needs_critic(cfg: JobConfig) -> bool:
