@@ -35,6 +35,8 @@ def _layout_table(layout: JobLayout) -> str:
         r = getattr(layout, role)
         if r is not None:
             rows.append((role, r.pool, r.gpus, r.tp, r.pp, r.dp))
+    for name, r in layout.reward.items():  # the reward models' scoring roles
+        rows.append((name, r.pool, r.gpus, r.tp, r.pp, r.dp))
     ro = layout.rollout
     if ro is not None:  # a preference job without greedy validation has no engines
         rows.append(("rollout", ro.pool, ro.gpus, ro.tp, "-", ro.engines))

@@ -6,7 +6,9 @@ with a seeded random ``score`` layer, saved as an HF SeqCls checkpoint in the te
 """
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
 
 import pytest
@@ -54,11 +56,16 @@ def score_rows(seed: int = 0) -> Batch:
     return Batch(input_ids=input_ids, attention_mask=(input_ids != 0).long())
 
 
-def transformers_scores(path: str, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(SeqCls logits [B] (the last non-pad token's), the score at every position [B, S])."""
+@functools.lru_cache(maxsize=4)
+def transformers_seqcls(path: str):
     import transformers
 
-    model = transformers.AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    return transformers.AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def transformers_scores(path: str, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(SeqCls logits [B] (the last non-pad token's), the score at every position [B, S])."""
+    model = transformers_seqcls(path)
     assert type(model).__name__ == "Qwen2ForSequenceClassification" and model.score.bias is None
     with torch.no_grad():
         logits = model(batch["input_ids"]).logits[:, 0]
@@ -385,3 +392,98 @@ def test_reward_model_with_two_labels_or_an_unusable_tokenizer(job, tmp_path):
     with pytest.raises(ConfigError, match=r"reward\.process\.path: the process reward model's tokenizer or chat "
                                           r"template differs from the policy's"):
         job(f"reward.process.path={other}", "algorithm.adv_estimator=reinforce_plus_plus")
+
+
+# ----------------------------------------------------------------------------------- end to end
+RM_TEMPLATE = "{% for m in messages %}{{ m['content'] }}={% endfor %}"  # not the policy's: the RM re-tokenises
+
+
+@pytest.fixture(scope="module")
+def rm_trainer(tiny_assets, tmp_path_factory):
+    """REINFORCE++ on the tiny task (4 prompts x 4 samples, up to 6 tokens) rewarded by the verifier,
+    an outcome RM with its own chat template and a PRM on the policy's tokenizer (steps end with "+"),
+    both SeqCls checkpoints of the tiny model sharing the actor's pool; one in-process Trainer."""
+    import ray
+    import transformers
+
+    from launch.compose import build_trainer
+    from rlcore.job import load_job
+    from rlcore.validate import validate
+
+    model, data = tiny_assets
+    root = tmp_path_factory.mktemp("rm-e2e")
+    rm = make_seqcls_checkpoint(str(root / "rm"), model, seed=1)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(rm)
+    tokenizer.chat_template = RM_TEMPLATE
+    tokenizer.save_pretrained(rm)
+    prm = make_seqcls_checkpoint(str(root / "prm"), model, seed=2)
+    cfg = load_job("yaml_configs/quickstart_cpu.yaml", [
+        f"model.path={model}", f"data.train_files=[{data}]", "data.val_files=[]", "trainer.val_every=0",
+        f"trainer.run_dir={root / 'run'}", "trainer.logger=[jsonl]", "resources.pools={actor: 1, rollout: 1}",
+        "actor.tp=1", "actor.loss.kl_coeff=0", "actor.micro_batch_size=8", "data.batch_size=4", "rollout.n=4",
+        "rollout.max_response_length=6", "algorithm.adv_estimator=reinforce_plus_plus",
+        f"reward.model.path={rm}", "reward.model.micro_batch_size=4", f"reward.process.path={prm}",
+        "reward.process.separator=+", "reward.process.micro_batch_size=8",
+        "reward.weights={rule: 1.0, rm: 0.5, prm: 0.25}"])
+    trainer = None
+    try:
+        trainer = build_trainer(cfg, validate(cfg))
+        yield trainer, rm, prm
+    finally:
+        if trainer is not None:
+            trainer.shutdown()
+        ray.shutdown()
+
+
+@pytest.mark.e2e
+def test_rm_and_prm_score_a_reinforce_plus_plus_step(rm_trainer):
+    """The RM's score of each trajectory is transformers' SeqCls logit on the RM's own chat of it; the
+    PRM's rewards sit on the last token of each step (and the response's last token) with the SeqCls
+    score there; the trained reward is rule + 0.5 rm (last token) + 0.25 prm (those tokens), which
+    REINFORCE++'s returns add up; then a whole step runs and reports every source's mean."""
+    import transformers
+
+    from rlcore.batch import build_batch
+    from rlcore.reward_sources import last_token_scores
+    from rlcore.reward import compute_rewards
+
+    trainer, rm, prm = rm_trainer
+    m: dict = {}
+    s = trainer.sample(1, m)
+    tok = trainer.tokenizer
+    texts = [tok.decode(t.response_ids, skip_special_tokens=True) for t in s.trajs]
+
+    rm_tok = transformers.AutoTokenizer.from_pretrained(rm)
+    rows = [rm_tok.apply_chat_template([*s.prompts[t.prompt_index].messages, {"role": "assistant", "content": x}],
+                                       tokenize=True)["input_ids"] for t, x in zip(s.trajs, texts)]
+    rm_scores = torch.tensor([transformers_scores(rm, Batch(input_ids=torch.tensor([r]),
+                                                            attention_mask=torch.ones(1, len(r))))[0][0]
+                              for r in rows])
+    assert rows[0] != s.trajs[0].prompt_ids + s.trajs[0].response_ids  # really re-tokenised
+    rule, _ = compute_rewards(trainer.reward_fn, [s.prompts[t.prompt_index] for t in s.trajs], texts)
+    torch.testing.assert_close(s.scores, rule + 0.5 * rm_scores, atol=TOL, rtol=0)
+    assert m["reward/rm_mean"] == pytest.approx(float(rm_scores.mean()), abs=TOL)
+    assert m["reward/rule_mean"] == pytest.approx(float(rule.mean()))
+
+    plus = tok.convert_tokens_to_ids("+")
+    multi_step = 0
+    for t, token in zip(s.trajs, s.token_rewards):
+        ids = t.prompt_ids + t.response_ids
+        every = transformers_scores(prm, Batch(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids))))[1][0]
+        ends = [k for k, x in enumerate(t.response_ids[:-1]) if x == plus] + [len(t.response_ids) - 1]
+        want = torch.zeros(len(t.response_ids))
+        want[ends] = every[[len(t.prompt_ids) + k for k in ends]]
+        torch.testing.assert_close(token, 0.25 * want, atol=TOL, rtol=0)  # weighted by reward.weights.prm
+        multi_step += len(ends) > 1
+    assert multi_step > 0  # some sampled response has more than one step
+
+    batch = build_batch(s.trajs, trainer.task.pad_id)
+    trainer.compute_advantages(batch, s)
+    first = batch["response_mask"].argmax(1)
+    totals = s.scores + torch.stack([t.sum() for t in s.token_rewards])  # gamma 1: the first token's return
+    torch.testing.assert_close(batch["returns"][torch.arange(batch.size), first], totals, atol=1e-5, rtol=0)
+
+    step = trainer.train_step(1)
+    for key in ("reward/rule_mean", "reward/rm_mean", "reward/prm_mean", "reward/prm_steps_mean", "reward/mean",
+                "reward/trained_mean", "actor/pg_loss"):
+        assert math.isfinite(step[key]), key
