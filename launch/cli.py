@@ -162,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "validate" and not for_another_machine(cfg):
             _check_datasets(cfg)  # `train` reads them anyway, before Ray starts
         if args.command == "plan":
+            if cfg.algorithm.type != "rl":
+                raise ConfigError(f"rlx plan models RL jobs only, not algorithm.type={cfg.algorithm.type} (its memory "
+                                  "model counts rollout samples); `rlx validate` checks this job's layout")
             return _plan(args, cfg, layout)
         if args.command == "submit":
             from launch.slurm import submit

@@ -53,7 +53,7 @@ def validate_preference(cfg: JobConfig, require_files: Optional[bool] = None):
     actor = v._role_layout(cfg, "actor", a.pool, a.tp, a.pp, a.vpp, a.pp_layers)
     check_model_split(model, actor.tp, actor.pp, actor.vpp, "actor", pp_layers=actor.pp_layers)
     key, pairs = v._prompts(cfg, a.ppo_mini_batch_size, "actor")
-    check_micro_batches("actor", actor, f"2*{key}={2 * pairs} rows ({pairs} pairs)", 2 * pairs,
+    check_micro_batches("actor", actor, f"2*{key}=2*{pairs}", 2 * pairs,
                         "actor.micro_batch_size", a.micro_batch_size, "actor.vpp")
 
     reference = _reference_layout(cfg, model) if objective.needs_reference else None
@@ -135,7 +135,7 @@ def _reference_layout(cfg: JobConfig, model):
             raise ConfigError(f"2*data.batch_size={rows} rows do not split evenly over the reference's "
                               f"dp={layout.dp} ranks")
     else:
-        check_micro_batches("reference", layout, f"2*data.batch_size={rows} rows", rows,
+        check_micro_batches("reference", layout, f"2*data.batch_size=2*{cfg.data.batch_size}", rows,
                             v._key("reference", "micro_batch_size", ref.micro_batch_size is None),
                             v._default(ref.micro_batch_size, a.micro_batch_size), v._key("reference", "vpp", ref.vpp is None))
     return layout

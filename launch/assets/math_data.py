@@ -2,6 +2,7 @@
 verl's schema (nothing is downloaded: the package generates the questions and their answers).
 
     .venv/bin/python -m launch.assets.math_data [--out .cache/math-arith] [--train 512] [--val 64] [--seed 0]
+    .venv/bin/python -m launch.assets.math_data --pairs   # DPO's pairs into .cache/math-arith-pairs
 
 Questions come from the package's own arithmetic modules (``add_or_sub`` and ``mul``: "What is -3
 plus 12?", "Work out 7 * -4.", ...) at a low entropy, so operands are small integers; questions with
@@ -10,6 +11,11 @@ form the built-in ``numeric`` verifier scores (the response's last number must e
 SmolLM2-135M-Instruct answers 17 of the 64 default validation questions right greedily (16 new
 tokens) before training; asked for ``\\boxed{}`` instead it often wrote a literal "\\boxed{N}".
 Train and validation questions are disjoint; the files are the same for the same arguments.
+
+``--pairs`` writes the same questions as preference pairs (``rlcore/preference_data.py``'s schema):
+the right number as ``chosen``, a near miss (off by 1-10, or one digit changed) as ``rejected``, both as
+"The answer is N." (``ANSWER_FORMAT``); and
+the held-out questions again in verl's schema, for DPO's greedy held-out accuracy.
 """
 from __future__ import annotations
 
@@ -20,6 +26,12 @@ import re
 DATA_SOURCE = "mathematics_dataset/arithmetic"
 INSTRUCTION = "Answer with just the final number."
 DEFAULT_OUT = ".cache/math-arith"
+DEFAULT_PAIRS_OUT = ".cache/math-arith-pairs"
+# How a preference pair's completions state the number: the form SmolLM2-135M-Instruct itself answers in
+# greedily ("The answer is 1."; it rarely writes a bare number), so chosen and rejected differ only in the
+# number. With bare numbers ("-3" vs "-1") DPO on the default spec pushed both completions' log-probs down
+# (-10 -> -15 for the chosen ones in 40 steps) and the greedy held-out accuracy fell from 0.27 to 0.11.
+ANSWER_FORMAT = "The answer is {}."
 # name -> the package's module function; ``None`` lets the module pick its own answer.
 MODULES = ("add_or_sub", "mul")
 # Entropy (log10 of the number of values sampled from) per question, spread over the two operands:
@@ -114,6 +126,55 @@ def make_math_data(out_dir: str = DEFAULT_OUT, train_size: int = 512, val_size: 
     return paths
 
 
+def near_miss(answer: str, rng: random.Random) -> str:
+    """A wrong answer close to the right one: off by 1-10 either way, or one digit changed (never the answer)."""
+    value = int(answer)
+    while True:
+        if rng.random() < 0.5:
+            wrong = str(value + rng.choice([-1, 1]) * rng.randint(1, 10))
+        else:
+            digits = [i for i, c in enumerate(answer) if c.isdigit()]
+            i = rng.choice(digits)
+            wrong = answer[:i] + rng.choice([d for d in "0123456789" if d != answer[i]]) + answer[i + 1:]
+            wrong = str(int(wrong))  # a leading digit changed to 0 drops, as a model would write it
+        if wrong != answer:
+            return wrong
+
+
+def preference_rows(problems: list[dict], seed: int) -> list[dict]:
+    """Preference pairs: the question (with ``INSTRUCTION``) as the prompt, the right number as ``chosen``,
+    a near miss as ``rejected``, both in ``ANSWER_FORMAT``."""
+    rng = random.Random(seed)
+    return [{"prompt": [{"role": "user", "content": f"{p['question']} {INSTRUCTION}"}],
+             "chosen": ANSWER_FORMAT.format(p["answer"]),
+             "rejected": ANSWER_FORMAT.format(near_miss(p["answer"], rng))} for p in problems]
+
+
+def make_math_preference_data(out_dir: str = DEFAULT_PAIRS_OUT, train_size: int = 512, val_size: int = 64,
+                              seed: int = 0) -> tuple[str, str, str]:
+    """Writes ``train.parquet`` and ``validation.parquet`` (preference pairs) and ``validation_prompts.parquet``
+    (the held-out questions in verl's schema, for the greedy accuracy) into ``out_dir``. The questions are
+    those of ``make_math_data`` with the same arguments: the held-out ones are its validation set. Kept if
+    all three exist. Returns their paths."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if train_size < 1 or val_size < 1:
+        raise ValueError(f"train_size={train_size} and val_size={val_size} must be >= 1")
+    paths = tuple(os.path.join(out_dir, f) for f in ("train.parquet", "validation.parquet",
+                                                      "validation_prompts.parquet"))
+    if all(os.path.isfile(p) for p in paths):
+        return paths
+    problems = _sample_problems(train_size + val_size, seed)
+    val, train = problems[:val_size], problems[val_size:]
+    os.makedirs(out_dir, exist_ok=True)
+    tables = (preference_rows(train, seed), preference_rows(val, seed + 1), math_rows(val, "validation"))
+    for rows, path in zip(tables, paths):
+        pq.write_table(pa.Table.from_pylist(rows), path + ".part")
+        os.replace(path + ".part", path)
+    return paths
+
+
 if __name__ == "__main__":
     import argparse
 
@@ -122,6 +183,13 @@ if __name__ == "__main__":
     p.add_argument("--train", type=int, default=512, help="training questions")
     p.add_argument("--val", type=int, default=64, help="held-out questions (validation.parquet)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pairs", action="store_true",
+                   help="preference pairs (chosen: the answer, rejected: a near miss) for DPO instead, into "
+                        f"--out (default {DEFAULT_PAIRS_OUT})")
     a = p.parse_args()
-    for path in make_math_data(a.out, a.train, a.val, a.seed):
+    if a.pairs:
+        paths = make_math_preference_data(DEFAULT_PAIRS_OUT if a.out == DEFAULT_OUT else a.out, a.train, a.val, a.seed)
+    else:
+        paths = make_math_data(a.out, a.train, a.val, a.seed)
+    for path in paths:
         print(path)
