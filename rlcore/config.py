@@ -283,6 +283,8 @@ class DPOConfig:
     beta: float = 0.1  # the implicit reward's scale: beta * (log pi - log pi_ref) summed over the completion
     loss_type: str = "sigmoid"  # sigmoid (DPO: -logsigmoid(beta * margin)) | ipo ((margin - 1/(2 beta))^2)
     label_smoothing: float = 0.0  # sigmoid: the assumed probability that a pair's label is flipped (cDPO)
+    # + sft_coeff x the chosen completion's mean token NLL (RPO; TRL's rpo_alpha): 0 is plain DPO / IPO
+    sft_coeff: float = 0.0
     # verl-schema prompt files (prompt + reward_model.ground_truth) answered greedily by a rollout engine
     # with the current weights every trainer.val_every steps (and before step 1) and scored by
     # reward.function: val/reward_mean, the policy's held-out accuracy. Empty: no rollout pool is built.
