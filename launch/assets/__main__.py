@@ -1,5 +1,5 @@
-"""``python -m launch.assets``: the quickstart's tiny model, its addition data and the addition task's
-preference pairs (reward-model training), built locally."""
+"""``python -m launch.assets``: the quickstart's tiny model, its addition data, the addition task's
+preference pairs (reward-model training) and the judge demo's judge, built locally."""
 import argparse
 
 from launch.assets.tiny import make_addition_data, make_addition_pairs, make_tiny_model
@@ -8,7 +8,9 @@ p = argparse.ArgumentParser(prog="python -m launch.assets", description="Builds 
 p.add_argument("--model-dir", default=".cache/tiny-qwen2")
 p.add_argument("--data-dir", default=".cache/tiny-addition")
 p.add_argument("--tie-word-embeddings", action="store_true")
+p.add_argument("--judge-dir", default=".cache/tiny-judge", help="the judge demo's judge: the tiny Qwen2 of another seed")
 a = p.parse_args()
 print(make_tiny_model(a.model_dir, tie_word_embeddings=a.tie_word_embeddings))
 print(make_addition_data(a.data_dir))
+print(make_tiny_model(a.judge_dir, seed=1))
 print(*make_addition_pairs(a.data_dir), sep="\n")
