@@ -6,7 +6,9 @@ HF mapping the weight sync uses (``megatron_workers.hf_weights``). OUT then hold
 - ``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json``
   when the weights exceed ``--max-shard-size`` (default 2GB);
 - ``config.json`` of the job's model (for a critic: the ``*ForTokenClassification`` architecture with
-  one label, and its ``score.weight`` head), ``torch_dtype`` set to what was written;
+  one label, and its ``score.weight`` head; for a reward model (the actor of an ``algorithm.type: rm``
+  job): ``*ForSequenceClassification`` with one label and the pad id, and its ``score.weight``),
+  ``torch_dtype`` set to what was written;
 - every other file of the model folder (tokenizer, chat template, generation config) copied as is.
 The whole model passes through this process's memory once (CPU, float32 on a machine without CUDA).
 """
@@ -22,6 +24,16 @@ import sys
 WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack)$|.*\.safetensors\.index\.json$|.*\.bin\.index\.json$")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ROLE_HEADS = {"actor": "lm", "critic": "value"}  # the trainable roles a checkpoint holds, and their heads
+
+
+def role_head(cfg, role: str) -> str:
+    """The head ``role`` was trained with in the checkpoint's job: a preference objective's for the
+    actor (``algorithm.type``: the reward model's score head for rm), else ``ROLE_HEADS``."""
+    from rlcore.preference_losses import PREFERENCE_OBJECTIVES, is_preference
+
+    if role == "actor" and is_preference(cfg):
+        return PREFERENCE_OBJECTIVES.meta(cfg.algorithm.type).head
+    return ROLE_HEADS[role]
 
 
 class ExportError(Exception):
@@ -79,7 +91,7 @@ def write_safetensors(tensors: dict, out: str, max_shard_bytes: int) -> list[str
     return names + ["model.safetensors.index.json"]
 
 
-def _gather_role_weights(role_dir: str, role: str, model_path: str, cfg) -> dict:
+def _gather_role_weights(role_dir: str, role: str, model_path: str, cfg, head: str) -> dict:
     """Loads the role's distributed checkpoint into a forward-only TP1 PP1 engine of the role's head
     in this process and returns its full HF-named tensors."""
     import torch
@@ -91,7 +103,7 @@ def _gather_role_weights(role_dir: str, role: str, model_path: str, cfg) -> dict
     profile = "gpu" if torch.cuda.is_available() else "cpu"
     dtype = "float32" if profile == "cpu" else "bfloat16"
     spec = RoleSpec(role, model_path, tp=1, pp=1, dp=1, micro_batch_size=1, profile=profile, dtype=dtype,
-                    seed=cfg.trainer.seed, head=ROLE_HEADS[role])
+                    seed=cfg.trainer.seed, head=head)
     engine = MegatronEngine(spec, rank=0)
     engine.init("127.0.0.1", free_port())
     try:
@@ -134,7 +146,14 @@ def export_hf(checkpoint: str, out: str, role: str = "actor", max_shard_bytes: i
     with open(config_path) as f:
         hf_config = json.load(f)
 
-    tensors = _gather_role_weights(role_dir, role, model_path, cfg)
+    from megatron_workers.heads import HEADS
+
+    head = role_head(cfg, role)
+    try:  # before anything is loaded or written
+        out_config = HEADS[head].hf_config(hf_config)
+    except ValueError as e:  # e.g. a reward model whose config has no pad_token_id for SeqCls
+        raise ExportError(f"{config_path}: {e}") from e
+    tensors = _gather_role_weights(role_dir, role, model_path, cfg, head)
     if dtype == "auto":  # the dtype of the model the job started from
         dtype = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
     torch_dtype = getattr(torch, dtype)
@@ -147,12 +166,9 @@ def export_hf(checkpoint: str, out: str, role: str = "actor", max_shard_bytes: i
         if os.path.isfile(src) and name != "config.json" and not WEIGHT_FILE.match(name):
             shutil.copy2(src, os.path.join(out, name))
             written.append(name)
-    from megatron_workers.heads import HEADS
-
-    hf_config = HEADS[ROLE_HEADS[role]].hf_config(hf_config)
-    hf_config["torch_dtype"] = dtype
+    out_config["torch_dtype"] = dtype
     with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(hf_config, f, indent=2)
+        json.dump(out_config, f, indent=2)
     written.append("config.json")
     return written
 

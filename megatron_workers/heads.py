@@ -123,12 +123,14 @@ class ValueHead:
 class ScoreHead:
     """A reward model's scalar score (``score_head.py``, HF ``*ForSequenceClassification``'s ``score``):
     ``scores[:, t]`` is the output AT position t (not shifted); a row's outcome score is at its last
-    attention-mask position. Forward-only here (the reward model in the RL loop)."""
+    attention-mask position. Forward-only in the RL loop (a reward model scoring rollouts); trained
+    with the Bradley-Terry loss by reward-model training (algorithm.type=rm)."""
 
     # No response mask: every position's score is computed (a PRM reads the steps' last tokens, an
     # outcome RM the last token), and the rows run unpacked.
     forward_keys = ("input_ids", "attention_mask")
-    train_keys: Optional[tuple[str, ...]] = None
+    # Trained as a reward model (algorithm.type=rm): Bradley-Terry on the micro-batch's pairs.
+    train_keys = ("input_ids", "attention_mask", "loss_weights")
 
     @staticmethod
     def build(hf, config, profile: str, vp_stage, seed: int):
@@ -141,6 +143,27 @@ class ScoreHead:
         from .score_head import token_scores
 
         return {"scores": token_scores(output, inputs)}
+
+    @staticmethod
+    def check_update(batch: Batch, role: str) -> None:
+        missing = [k for k in ScoreHead.train_keys if k not in batch]
+        if missing:
+            raise ValueError(f"{role} update: the preference batch has no {missing} (rlcore/preference.py sets "
+                             "loss_weights over the mini-batch's pairs)")
+        if batch.size % 2:
+            raise ValueError(f"{role} update: {batch.size} rows are not whole (chosen, rejected) pairs")
+
+    @staticmethod
+    def loss(output: torch.Tensor, micro_batch: Batch, inputs, loss_cfg, tp_group):
+        """Bradley-Terry (``rlcore.algos.rm_batch_loss``) on the rows' last-token scores: rows 2i, 2i+1
+        of the micro-batch are pair i's chosen and rejected; ``loss_weights`` carry each pair's share
+        of the mini-batch mean, so the engine's sum over micro-batches and DP ranks is that mean."""
+        from rlcore.algos import rm_batch_loss
+
+        from .score_head import token_scores
+
+        loss, metrics = rm_batch_loss(token_scores(output, inputs), micro_batch, loss_cfg)
+        return loss, metrics, {}
 
     @staticmethod
     def hf_config(causal_lm_config: dict) -> dict:

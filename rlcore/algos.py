@@ -703,3 +703,70 @@ def overlong_penalty(response_lengths: torch.Tensor, max_len: int, buffer_len: i
     then falling linearly to -penalty_factor at max_len."""
     exceed = response_lengths.float() - (max_len - buffer_len)
     return (-exceed / buffer_len * penalty_factor).clamp(max=0.0)
+
+
+# ---------------------------------------------------------------------------- reward-model training
+def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, pair_weights: Optional[torch.Tensor] = None,
+                       margin: float | torch.Tensor = 0.0, center_coeff: float = 0.0
+                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The reward model's Bradley-Terry loss on P pairs and its additive metric contributions.
+
+    ``chosen``/``rejected`` [P]: the model's scores of each pair's chosen and rejected response. Per
+    pair ``-log sigmoid(chosen - rejected - margin)`` (the margin as in Llama 2's RM: the chosen must
+    win by at least that much), plus TRL's ``center_coeff * (chosen + rejected)^2``, which pins the
+    scores' free offset near 0. ``pair_weights`` [P] (default ``1/P``): each pair's share of the
+    mini-batch's mean; the result is ``sum(per_pair * pair_weights)``, so the shares of micro-batches
+    and DP ranks sum to the mini-batch mean (the module's contract), and so do the metrics:
+    ``rm/accuracy`` (chosen scored strictly above rejected), ``rm/margin`` (mean chosen - rejected),
+    ``rm/chosen_score``, ``rm/rejected_score``, ``rm/loss`` (the Bradley-Terry term alone)."""
+    if chosen.shape != rejected.shape or chosen.dim() != 1:
+        raise ValueError(f"bradley_terry_loss: chosen {tuple(chosen.shape)} and rejected {tuple(rejected.shape)} "
+                         "must be the same [P] shape")
+    chosen, rejected = chosen.float(), rejected.float()
+    if pair_weights is None:
+        pair_weights = torch.full_like(chosen, 1.0 / max(1, chosen.numel()))
+    w = pair_weights.float()
+    diff = chosen - rejected
+    bt = (-torch.nn.functional.logsigmoid(diff - margin) * w).sum()
+    loss = bt + center_coeff * (((chosen + rejected) ** 2) * w).sum() if center_coeff else bt
+    metrics = {
+        "rm/loss": bt.detach(),
+        "rm/accuracy": ((diff > 0).float() * w).sum().detach(),
+        "rm/margin": (diff * w).sum().detach(),
+        "rm/chosen_score": (chosen * w).sum().detach(),
+        "rm/rejected_score": (rejected * w).sum().detach(),
+    }
+    return loss, metrics
+
+
+def last_token_values(x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B] each right-padded row's ``x`` [B, S] at its last attention-mask position: a reward model's
+    outcome score (what transformers' *ForSequenceClassification returns for the row)."""
+    last = attention_mask.long().sum(1) - 1
+    if bool((last < 0).any()):
+        raise ValueError("a row has no tokens (attention_mask all 0): it has no last token to score")
+    return x.gather(1, last.unsqueeze(1)).squeeze(1)
+
+
+def rm_batch_loss(scores: torch.Tensor, batch, loss_cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``bradley_terry_loss`` of a micro-batch of consecutive pairs (row 2i chosen, 2i+1 rejected,
+    rlcore/preference_data.py): the score head's ``scores`` [2P, S] read at each row's last token; the
+    batch's ``attention_mask`` and ``loss_weights`` [2P] (each pair's share of the mini-batch, on both
+    of its rows); ``loss_cfg`` the ``algorithm.rm`` section."""
+    outcome = last_token_values(scores, batch["attention_mask"])
+    if outcome.shape[0] % 2:
+        raise ValueError(f"{outcome.shape[0]} rows are not whole (chosen, rejected) pairs: micro-batches must "
+                         "hold rows 2i and 2i+1 together")
+    weights = batch["loss_weights"].float()
+    if weights.dim() != 1:
+        raise ValueError(f"loss_weights of shape {tuple(weights.shape)}: a preference batch weighs rows, [2P]")
+    return bradley_terry_loss(outcome[0::2], outcome[1::2], weights[0::2], loss_cfg.margin, loss_cfg.center_coeff)
+
+
+def rm_metrics(outputs: dict[str, torch.Tensor], batch, loss_cfg) -> dict[str, float]:
+    """The Bradley-Terry loss and metrics (means over the pairs) of a whole batch of pairs from the
+    reward model's forward ``outputs["scores"]``: the validation pairs' ``val/rm_accuracy``, ..."""
+    weights = torch.full((batch["attention_mask"].shape[0],), 2.0 / batch["attention_mask"].shape[0])
+    _, metrics = rm_batch_loss(outputs["scores"], {"attention_mask": batch["attention_mask"],
+                                                   "loss_weights": weights}, loss_cfg)
+    return {k: float(v) for k, v in metrics.items()}

@@ -322,6 +322,14 @@ class DPOConfig:
 
 
 @dataclass
+class RMConfig:
+    """Reward-model training's knobs (``algorithm.rm``, algorithm.type=rm): what
+    ``rlcore.algos.rm_batch_loss`` reads on the workers, as the actor's loss config."""
+    margin: float = 0.0  # Bradley-Terry on chosen - rejected - margin: the chosen must win by this much (Llama 2)
+    center_coeff: float = 0.0  # TRL's center_rewards_coefficient: + coeff * (chosen + rejected)^2, scores near 0
+
+
+@dataclass
 class AlgorithmConfig:
     # rl: sample, reward, advantages, policy update (PPO/GRPO/...); or a preference objective trained on
     # prompt/chosen/rejected pairs (rlcore/preference.py; rlcore.preference_losses.PREFERENCE_OBJECTIVES):
@@ -338,6 +346,7 @@ class AlgorithmConfig:
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)  # algorithm.type=dpo
+    rm: RMConfig = field(default_factory=RMConfig)  # algorithm.type=rm
 
 
 @dataclass

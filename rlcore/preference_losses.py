@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from rlcore.algos import rm_metrics
 from rlcore.batch import Batch
 from rlcore.registry import Registry
 
@@ -125,6 +126,7 @@ def dpo_metrics(outputs: dict[str, torch.Tensor], batch: Batch, loss_cfg) -> dic
 PREFERENCE_OBJECTIVES: Registry[Callable[..., dict[str, float]]] = Registry("algorithm.type", meta=PreferenceObjective)
 PREFERENCE_OBJECTIVES.add("dpo", dpo_metrics, head="dpo", needs_reference=True, loss_section="dpo",
                           output="logprobs")
+PREFERENCE_OBJECTIVES.add("rm", rm_metrics, head="score", needs_reference=False, loss_section="rm", output="scores")
 
 
 def algorithm_types() -> tuple[str, ...]:

@@ -10,6 +10,7 @@ pairs). The forward-only reference scores rows one by one, so any split of its o
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from rlcore.config import JobConfig
@@ -29,6 +30,8 @@ def validate_preference(cfg: JobConfig, require_files: Optional[bool] = None):
     v._check_names(cfg)
     if cfg.algorithm.type == "dpo":
         _check_dpo(cfg)
+    if cfg.algorithm.type == "rm":
+        _check_rm(cfg)
     device = v._resolve_device(cfg.resources.device)
     dtype = v._resolve_dtype(cfg.model.dtype, device)
     model = v._read_model(cfg.model.path, None if require_files else cfg.model.hf_config)
@@ -81,6 +84,14 @@ def _check_dpo(cfg: JobConfig) -> None:
     if d.label_smoothing and d.loss_type != "sigmoid":
         raise ConfigError(f"algorithm.dpo.label_smoothing={d.label_smoothing} applies to loss_type=sigmoid only, "
                           f"not {d.loss_type}; set it to 0")
+
+
+def _check_rm(cfg: JobConfig) -> None:
+    r = cfg.algorithm.rm
+    if not math.isfinite(r.margin):
+        raise ConfigError(f"algorithm.rm.margin={r.margin} must be a finite number")
+    if not (math.isfinite(r.center_coeff) and r.center_coeff >= 0):
+        raise ConfigError(f"algorithm.rm.center_coeff={r.center_coeff} must be >= 0")
 
 
 def _check_pools(cfg: JobConfig, reference: bool, rollout: bool) -> None:

@@ -278,7 +278,12 @@ class RewardModelSource:
     def score(self, prompts: list[PromptItem], trajs: list[Trajectory], texts: list[str]) -> SourceScores:
         if not trajs:
             return SourceScores(torch.zeros(0))
-        scores, attention_mask = self.model.forward(self.model.rows(prompts, trajs, texts))
+        rows = self.model.rows(prompts, trajs, texts)
+        if self.model.same:  # scored as reward-model training saw completions: ending in eos (preference_data.py)
+            eos = self.model.tokenizer.eos_token_id
+            rows = [r if eos is None or (tr.response_ids and tr.response_ids[-1] == eos) else r + [eos]
+                    for r, tr in zip(rows, trajs)]
+        scores, attention_mask = self.model.forward(rows)
         return SourceScores(last_token_scores(scores, attention_mask))
 
 

@@ -1,7 +1,8 @@
-"""``python -m launch.assets``: the quickstart's tiny model and addition data, built locally."""
+"""``python -m launch.assets``: the quickstart's tiny model, its addition data, the addition task's
+preference pairs (reward-model training) and the judge demo's judge, built locally."""
 import argparse
 
-from launch.assets.tiny import make_addition_data, make_tiny_model
+from launch.assets.tiny import make_addition_data, make_addition_pairs, make_tiny_model
 
 p = argparse.ArgumentParser(prog="python -m launch.assets", description="Builds the quickstart's model and data locally: nothing is downloaded.")
 p.add_argument("--model-dir", default=".cache/tiny-qwen2")
@@ -12,3 +13,4 @@ a = p.parse_args()
 print(make_tiny_model(a.model_dir, tie_word_embeddings=a.tie_word_embeddings))
 print(make_addition_data(a.data_dir))
 print(make_tiny_model(a.judge_dir, seed=1))
+print(*make_addition_pairs(a.data_dir), sep="\n")

@@ -6,6 +6,8 @@
 - ``make_addition_data``: "a+b=" prompts with one-digit answers in verl's schema (parquet).
   The vocabulary is 16 tokens, so a random policy already answers ~1/16 of prompts right and a GRPO
   group of 16 usually holds a success: the group-relative signal is not empty from step one.
+- ``make_addition_pairs``: the same prompts as preference pairs (``prompt``, ``chosen`` = the right
+  answer, ``rejected`` = a wrong one) for reward-model training, with a held-out split.
 """
 from __future__ import annotations
 
@@ -100,3 +102,45 @@ def make_addition_data(out_dir: str, max_operand: int = 4) -> str:
         pq.write_table(pa.Table.from_pylist(addition_rows(max_operand)), path)
     return path
 
+
+
+# Wrong answers a tiny policy can give: every other digit and the two symbols of its vocabulary.
+WRONG_ANSWERS = DIGITS + SYMBOLS
+
+
+def addition_pairs(max_operand: int = 4, held_out_per_prompt: int = 2, seed: int = 0
+                   ) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) preference rows for every prompt of ``addition_rows``: ``chosen`` is the
+    answer as the policy gives it (the one-token sum), ``rejected`` each of the 11 wrong answers
+    (other digits, ``+``, ``=``). Per prompt, ``held_out_per_prompt`` wrong answers drawn at random
+    go to the held-out split only: it asks whether the model ranks the right answer above wrong
+    answers it was never shown against that prompt (every prompt is in both splits, as every prompt
+    is scored when the model rewards the tiny policy)."""
+    rng = random.Random(seed)
+    train, held_out = [], []
+    for row in addition_rows(max_operand, seed):
+        right = row["reward_model"]["ground_truth"]
+        wrong = [w for w in WRONG_ANSWERS if w != right]
+        rng.shuffle(wrong)
+        if not 0 <= held_out_per_prompt < len(wrong):
+            raise ValueError(f"held_out_per_prompt={held_out_per_prompt}: expected 0..{len(wrong) - 1}")
+        for i, rejected in enumerate(wrong):
+            pair = {"prompt": row["prompt"], "chosen": right, "rejected": rejected}
+            (held_out if i < held_out_per_prompt else train).append(pair)
+    rng.shuffle(train)
+    return train, held_out
+
+
+def make_addition_pairs(out_dir: str, max_operand: int = 4) -> tuple[str, str]:
+    """Writes ``pairs_train.parquet`` and ``pairs_validation.parquet`` (``addition_pairs``) into
+    ``out_dir`` (kept if both exist). Returns their paths."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    os.makedirs(out_dir, exist_ok=True)
+    paths = os.path.join(out_dir, "pairs_train.parquet"), os.path.join(out_dir, "pairs_validation.parquet")
+    if not all(os.path.exists(p) for p in paths):
+        for rows, path in zip(addition_pairs(max_operand), paths):
+            pq.write_table(pa.Table.from_pylist(rows), path + ".part")
+            os.replace(path + ".part", path)  # a killed write never looks complete
+    return paths
