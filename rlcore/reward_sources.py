@@ -219,6 +219,14 @@ def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     return [int(t) for t in out]
 
 
+def ending_at_eos(ids: list[int], eos: Optional[int]) -> list[int]:
+    """A rendered chat cut after its last eos: reward-model training's completions end there
+    (rlcore/preference_data.py), not on what a chat template adds after it (ChatML's newline)."""
+    if eos is None or eos not in ids:
+        return ids
+    return ids[:len(ids) - ids[::-1].index(eos)]
+
+
 def role_dp(cfg, section) -> int:
     """DP of a scoring role (``reward.model`` / ``reward.process``): its pool's GPUs / (tp * pp)."""
     pool = section.pool or cfg.actor.pool
@@ -246,7 +254,8 @@ class _ScoringModel:
             if not item.messages:
                 raise RewardError(f"{self.key}: dataset row {item.index} has no chat messages to re-tokenise "
                                   "with the reward model's tokenizer")
-            out.append(_chat_ids(self.tokenizer, [*item.messages, {"role": "assistant", "content": text}]))
+            out.append(ending_at_eos(_chat_ids(self.tokenizer, [*item.messages, {"role": "assistant", "content": text}]),
+                                     self.tokenizer.eos_token_id))
         return out
 
     def forward(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -459,6 +459,8 @@ def test_rm_and_prm_score_a_reinforce_plus_plus_step(rm_trainer):
     rm_tok = transformers.AutoTokenizer.from_pretrained(rm)
     rows = [rm_tok.apply_chat_template([*s.prompts[t.prompt_index].messages, {"role": "assistant", "content": x}],
                                        tokenize=True)["input_ids"] for t, x in zip(s.trajs, texts)]
+    eos = rm_tok.eos_token_id  # scored at the chat's last eos, where reward-model training scores
+    rows = [r[:len(r) - r[::-1].index(eos)] if eos in r else r for r in rows]
     rm_scores = torch.tensor([transformers_scores(rm, Batch(input_ids=torch.tensor([r]),
                                                             attention_mask=torch.ones(1, len(r))))[0][0]
                               for r in rows])
