@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import time
 
-from rlcore import checkpoint, preemption
+from rlcore import checkpoint
+from rlcore.loop import StepLoop
 from rlcore.batch import Batch
 from rlcore.config import JobConfig
-from rlcore.metrics import MetricsLogger, timer
+from rlcore.metrics import timer
 from rlcore.nonfinite import NonFiniteGuard
 from rlcore.preference_data import PreferencePair, PreferenceTask, pair_batch
 from rlcore.preference_losses import PREFERENCE_OBJECTIVES, objective_loss_config, pair_weights
@@ -31,7 +32,7 @@ from rlcore.reward import compute_rewards
 from rlcore.roles import Roles, UpdateResult
 
 
-class PreferenceTrainer:
+class PreferenceTrainer(StepLoop):
     def __init__(self, cfg: JobConfig, task: PreferenceTask, roles: Roles):
         self.cfg, self.task, self.roles = cfg, task, roles
         self.actor, self.reference = roles.actor, roles.reference
@@ -45,35 +46,15 @@ class PreferenceTrainer:
             from rlcore.engine_restarts import EngineRestarts
 
             self.engines = EngineRestarts(self.actor, roles.rollout, cfg.rollout)
+        self.trained_step = 0  # the last step trained (resumed included)
         self.synced_step = 0  # the training step whose weights the engines hold (None: unknown)
-        self.saved_step = 0
 
     # ------------------------------------------------------------------------------ the iteration
-    def fit(self) -> list[dict]:
-        t = self.cfg.trainer
-        history = []
-        start = self.resume()  # before the logger opens metrics.jsonl: resuming trims it
-        logger = MetricsLogger.for_job(self.cfg, start)
-        stop = preemption.StopOnSignal().install()
-        try:
-            if t.val_every and start == 0 and self.validates:
-                logger.log(0, self.validate(0))
-            for step in range(start + 1, t.total_steps + 1):
-                stop.check(step - 1, t.total_steps, self.save_unless_saved)
-                metrics = self.train_step(step)
-                if t.val_every and step % t.val_every == 0 and self.validates:
-                    metrics.update(self.validate(step))
-                logger.log(step, metrics)
-                history.append(metrics)
-                self.maybe_save(step)
-        finally:
-            stop.restore()
-            logger.close()
-        return history
-
+    # fit() (rlcore/loop.py) runs train_step for each step, with validation, checkpoints and the stop on signals.
     def train_step(self, step: int) -> dict[str, float]:
         m: dict[str, float] = {}
         t0 = time.perf_counter()
+        self.trained_step = step
         self.nonfinite.start(step)
         pairs: list[PreferencePair] = next(self.loader)
         batch = self.batch(pairs)
@@ -118,14 +99,14 @@ class PreferenceTrainer:
     def validates(self) -> bool:
         return self.val_pairs is not None or self.task.greedy_val_set is not None
 
-    def validate(self, step: int) -> dict[str, float]:
+    def validate(self) -> dict[str, float]:
         m: dict[str, float] = {}
         if self.val_pairs is not None:
             with timer("validation_pairs", m):
                 m.update(self.validate_pairs())
         if self.task.greedy_val_set is not None:
             with timer("validation_greedy", m):
-                m.update(self.validate_greedy(step))
+                m.update(self.validate_greedy())
         return m
 
     def validate_pairs(self) -> dict[str, float]:
@@ -147,9 +128,10 @@ class PreferenceTrainer:
                 totals[k] = totals.get(k, 0.0) + v * len(real)
         return {"val/" + k.replace("/", "_"): v / len(pairs) for k, v in totals.items()}
 
-    def validate_greedy(self, step: int) -> dict[str, float]:
+    def validate_greedy(self) -> dict[str, float]:
         """The policy's greedy held-out accuracy: the mean reward of its greedy responses to the
         greedy_val_files prompts, with the current weights (synced to the engines first)."""
+        step = self.trained_step
         if self.synced_step != step:
             self.engines.sync_weights(step)
             self.synced_step = step
@@ -171,26 +153,9 @@ class PreferenceTrainer:
         if state is None:
             return 0
         self.loader.load_state_dict(state["loader"])
-        self.saved_step = int(state["step"])
+        self.saved_step = self.trained_step = int(state["step"])
         self.synced_step = None  # the engines hold the initial weights: sync before generating
         return self.saved_step
-
-    def maybe_save(self, step: int) -> None:
-        t = self.cfg.trainer
-        if t.save_every and (step % t.save_every == 0 or step == t.total_steps):
-            self.save(step)
-
-    def save(self, step: int) -> str:
-        t = self.cfg.trainer
-        folder = checkpoint.save_checkpoint(checkpoint.checkpoint_dir_of(t), step, self.roles.trainable(),
-                                            self.state_dict(step), checkpoint.job_yaml(self.cfg), t.keep_last)
-        self.saved_step = step
-        return folder
-
-    def save_unless_saved(self, step: int) -> str:
-        if step == self.saved_step:
-            return checkpoint.read_latest(checkpoint.checkpoint_dir_of(self.cfg.trainer)) or f"of step {step}"
-        return self.save(step)
 
     def shutdown(self) -> None:
         self.roles.shutdown()

@@ -17,14 +17,15 @@ import time
 
 import torch
 
-from rlcore import checkpoint, preemption
+from rlcore import checkpoint
 from rlcore.algos import (ADV_ESTIMATORS, AdvantageInputs, apply_kl_penalty, compute_advantages, explained_variance,
                           groups_with_variance, kl_controller, last_token_rewards, loss_weights, overlong_penalty)
 from rlcore.batch import Batch, Trajectory, build_batch
 from rlcore.config import JobConfig, on_policy_update, resolved_critic
 from rlcore.data import PromptItem, Task
 from rlcore.engine_restarts import EngineRestarts
-from rlcore.metrics import MetricsLogger, timer
+from rlcore.loop import StepLoop
+from rlcore.metrics import timer
 from rlcore.nonfinite import NonFiniteGuard
 from rlcore.reward import RewardError
 from rlcore.reward_sources import RewardCombination, SourceScores, placed_token_rewards, total_rewards
@@ -50,7 +51,7 @@ class Samples:
     token_rewards: list[torch.Tensor] | None = None
 
 
-class Trainer:
+class Trainer(StepLoop):
     def __init__(self, cfg: JobConfig, task: Task, roles: Roles):
         self.cfg, self.task, self.roles = cfg, task, roles
         self.actor, self.reference, self.critic, self.rollout = roles.actor, roles.reference, roles.critic, roles.rollout
@@ -77,29 +78,7 @@ class Trainer:
         self.rewards.by_name["rule"].fn = fn
 
     # ------------------------------------------------------------------------------ the iteration
-    def fit(self) -> list[dict]:
-        t = self.cfg.trainer
-        history = []
-        # Before the logger opens metrics.jsonl: resuming drops the lines of steps it will redo.
-        start = self.resume()  # the step to continue after; 0 on a fresh start
-        logger = MetricsLogger.for_job(self.cfg, start)
-        stop = preemption.StopOnSignal().install()  # SIGTERM/SIGUSR1: a checkpoint at the next step boundary
-        try:
-            if self.val_set is not None and t.val_every and start == 0:
-                logger.log(0, self.validate())
-            for step in range(start + 1, t.total_steps + 1):
-                stop.check(step - 1, t.total_steps, self.save_unless_saved)  # raises Preempted after a signal
-                metrics = self.train_step(step)
-                if self.val_set is not None and t.val_every and step % t.val_every == 0:
-                    metrics.update(self.validate())
-                logger.log(step, metrics)
-                history.append(metrics)
-                self.maybe_save(step)
-        finally:
-            stop.restore()
-            logger.close()
-        return history
-
+    # fit() (rlcore/loop.py) runs train_step for each step, with validation, checkpoints and the stop on signals.
     def train_step(self, step: int) -> dict[str, float]:
         cfg, m = self.cfg, {}
         temperature = cfg.rollout.temperature
@@ -279,6 +258,10 @@ class Trainer:
         except RewardError as e:
             raise RewardError(f"step {step}: {e}" if step is not None else str(e)) from e
 
+    @property
+    def validates(self) -> bool:
+        return self.val_set is not None
+
     def validate(self) -> dict[str, float]:
         """Greedy accuracy on the validation prompts with the current weights: the mean score of the
         rule source (reward.function, the verifier), whatever the training reward combines: held-out
@@ -323,24 +306,6 @@ class Trainer:
         self.load_state_dict(state)
         self.sync_weights(self.version)
         return int(state["step"])
-
-    def maybe_save(self, step: int) -> None:
-        t = self.cfg.trainer
-        if t.save_every and (step % t.save_every == 0 or step == t.total_steps):
-            self.save(step)
-
-    def save(self, step: int) -> str:
-        t = self.cfg.trainer
-        folder = checkpoint.save_checkpoint(checkpoint.checkpoint_dir_of(t), step, self.roles.trainable(),
-                                            self.state_dict(step), checkpoint.job_yaml(self.cfg), t.keep_last)
-        self.saved_step = step
-        return folder
-
-    def save_unless_saved(self, step: int) -> str:
-        """The checkpoint of ``step`` (a run stopping on a signal): saved now unless saved already."""
-        if step == self.saved_step:
-            return checkpoint.read_latest(checkpoint.checkpoint_dir_of(self.cfg.trainer)) or f"of step {step}"
-        return self.save(step)
 
     def shutdown(self) -> None:
         self.rollouts.close()  # the batch in flight finishes before the engines stop
