@@ -64,8 +64,9 @@ def _type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """``messages`` through the tokenizer's chat template, as a flat list of ids."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
     # transformers 5 returns a BatchEncoding (a dict) by default; older versions a list of ids.
     if hasattr(out, "keys"):
         out = out["input_ids"]
@@ -76,8 +77,9 @@ def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     return [int(t) for t in out]
 
 
-class PromptDataset:
-    """All rows of ``files``, validated and tokenized at construction."""
+class RowDataset:
+    """All rows of ``files``, each checked and tokenized at construction by the subclass's
+    ``_parse_row(where, row, index)``."""
 
     def __init__(self, files: Sequence[str] | str, tokenizer, prompt_key: str = "prompt",
                  max_prompt_length: int = 512, apply_chat_template: bool = True):
@@ -93,21 +95,28 @@ class PromptDataset:
         self.prompt_key = prompt_key
         self.max_prompt_length = max_prompt_length
         self.apply_chat_template = apply_chat_template
-        self.items: list[PromptItem] = []
+        self.items: list = []
         for path in self.files:
             for where, row in read_rows(path):
                 self.items.append(self._parse_row(where, row, index=len(self.items)))
         if not self.items:
             raise DataError(f"no rows in {', '.join(self.files)}")
 
+    def _parse_row(self, where: str, row: Any, index: int):
+        raise NotImplementedError
+
     def __len__(self) -> int:
         return len(self.items)
 
-    def __getitem__(self, index: int) -> PromptItem:
+    def __getitem__(self, index: int):
         return self.items[index]
 
-    def __iter__(self) -> Iterator[PromptItem]:
+    def __iter__(self) -> Iterator:
         return iter(self.items)
+
+
+class PromptDataset(RowDataset):
+    """All prompt rows of ``files``, validated and tokenized at construction."""
 
     def _parse_row(self, where: str, row: Any, index: int) -> PromptItem:
         if not isinstance(row, dict):
@@ -138,7 +147,7 @@ class PromptDataset:
         # Only role/content reach the template: parquet gives every message the union of keys.
         messages = [{"role": m["role"], "content": m["content"]} for m in messages]
         if self.apply_chat_template:
-            prompt_ids = _chat_ids(self.tokenizer, messages)
+            prompt_ids = chat_ids(self.tokenizer, messages)
         else:
             prompt_ids = list(self.tokenizer.encode("".join(m["content"] for m in messages),
                                                     add_special_tokens=False))

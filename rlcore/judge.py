@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from rlcore.config import JobConfig, JudgeConfig, RolloutConfig
-from rlcore.data import PromptItem, _chat_ids
+from rlcore.data import PromptItem, chat_ids
 from rlcore.hf_config import read_hf_config
 from rlcore.job import ConfigError
 from rlcore.layout import RolloutLayout, check_rollout_split
@@ -238,7 +238,7 @@ class JudgeSource:
                                   "template's {prompt}")
             rendered = render(self.template, item, text)
             if self.cfg.apply_chat_template:
-                ids = _chat_ids(self.tokenizer, [{"role": "user", "content": rendered}])
+                ids = chat_ids(self.tokenizer, [{"role": "user", "content": rendered}])
             else:
                 ids = list(self.tokenizer.encode(rendered, add_special_tokens=False))
             if len(ids) + self.cfg.max_tokens > self.max_model_len:

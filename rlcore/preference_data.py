@@ -16,12 +16,12 @@ with it, the eos token is appended, as the policy stops by emitting it. Without 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from rlcore.batch import Batch
-from rlcore.data import DataError, PromptLoader, _chat_ids, _describe, _type_name, read_rows
+from rlcore.data import DataError, PromptLoader, RowDataset, _describe, _type_name, chat_ids
 
 
 @dataclass
@@ -38,38 +38,15 @@ def _is_messages(value: Any) -> bool:
                     for m in value))
 
 
-class PreferenceDataset:
-    """All rows of ``files``, validated and tokenised at construction."""
+class PreferenceDataset(RowDataset):
+    """All preference rows of ``files``, validated and tokenised at construction."""
 
     def __init__(self, files: Sequence[str] | str, tokenizer, prompt_key: str = "prompt", max_prompt_length: int = 512,
                  max_response_length: int = 256, apply_chat_template: bool = True):
-        if isinstance(files, str):
-            files = [files]
-        if not files:
-            raise DataError("no data files given")
-        if apply_chat_template and getattr(tokenizer, "chat_template", None) is None:
-            raise DataError(f"the tokenizer has no chat template, so prompts from {files[0]} cannot be "
-                            "formatted; add one to the model folder or set data.apply_chat_template=false")
         if tokenizer.eos_token_id is None:
             raise DataError("the tokenizer has no eos token, so a completion cannot be ended as the policy ends one")
-        self.files, self.tokenizer, self.prompt_key = list(files), tokenizer, prompt_key
-        self.max_prompt_length, self.max_response_length = max_prompt_length, max_response_length
-        self.apply_chat_template = apply_chat_template
-        self.items: list[PreferencePair] = []
-        for path in self.files:
-            for where, row in read_rows(path):
-                self.items.append(self._parse_row(where, row, index=len(self.items)))
-        if not self.items:
-            raise DataError(f"no rows in {', '.join(self.files)}")
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, index: int) -> PreferencePair:
-        return self.items[index]
-
-    def __iter__(self) -> Iterator[PreferencePair]:
-        return iter(self.items)
+        self.max_response_length = max_response_length
+        super().__init__(files, tokenizer, prompt_key, max_prompt_length, apply_chat_template)
 
     def _parse_row(self, where: str, row: Any, index: int) -> PreferencePair:
         if not isinstance(row, dict):
@@ -81,7 +58,7 @@ class PreferenceDataset:
         # Only role/content reach the template: parquet gives every message the union of keys.
         messages = [{"role": m["role"], "content": m["content"]} for m in messages]
         if self.apply_chat_template:
-            prompt_ids = _chat_ids(self.tokenizer, messages)
+            prompt_ids = chat_ids(self.tokenizer, messages)
         else:
             prompt_ids = self._plain_ids("".join(m["content"] for m in messages))
         if not prompt_ids:
@@ -115,7 +92,8 @@ class PreferenceDataset:
             raise DataError(f"{where}: {key!r} is empty")
         eos = self.tokenizer.eos_token_id
         if self.apply_chat_template:
-            full = _chat_ids_without_generation_prompt(self.tokenizer, messages + [{"role": "assistant", "content": text}])
+            full = chat_ids(self.tokenizer, messages + [{"role": "assistant", "content": text}],
+                            add_generation_prompt=False)
             if full[:len(prompt_ids)] != prompt_ids:
                 raise DataError(f"{where}: the chat template renders the prompt differently when {key!r} follows it, "
                                 "so the completion's tokens cannot be separated from the prompt's")
@@ -127,17 +105,6 @@ class PreferenceDataset:
             raise DataError(f"{where}: {key!r} is {len(ids)} tokens (eos included), longer than "
                             f"rollout.max_response_length={self.max_response_length}")
         return ids
-
-
-def _chat_ids_without_generation_prompt(tokenizer, messages: list[dict]) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True)
-    if hasattr(out, "keys"):
-        out = out["input_ids"]
-    if isinstance(out, torch.Tensor):
-        out = out.tolist()
-    if out and isinstance(out[0], list):
-        out = out[0]
-    return [int(t) for t in out]
 
 
 def pair_batch(pairs: list[PreferencePair], pad_id: int) -> Batch:

@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 
 from rlcore.batch import Batch, Trajectory
-from rlcore.data import PromptItem
+from rlcore.data import PromptItem, chat_ids
 from rlcore.judge import JudgeSource
 from rlcore.registry import Registry
 from rlcore.reward import RewardError, compute_rewards
@@ -208,17 +208,6 @@ def same_tokenizer(a, b) -> bool:
     return a.get_vocab() == b.get_vocab() and getattr(a, "chat_template", None) == getattr(b, "chat_template", None)
 
 
-def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=False)
-    if hasattr(out, "keys"):  # transformers 5: a BatchEncoding
-        out = out["input_ids"]
-    if isinstance(out, torch.Tensor):
-        out = out.tolist()
-    if out and isinstance(out[0], list):
-        out = out[0]
-    return [int(t) for t in out]
-
-
 def ending_at_eos(ids: list[int], eos: Optional[int]) -> list[int]:
     """A rendered chat cut after its last eos: reward-model training's completions end there
     (rlcore/preference_data.py), not on what a chat template adds after it (ChatML's newline)."""
@@ -254,7 +243,8 @@ class _ScoringModel:
             if not item.messages:
                 raise RewardError(f"{self.key}: dataset row {item.index} has no chat messages to re-tokenise "
                                   "with the reward model's tokenizer")
-            out.append(ending_at_eos(_chat_ids(self.tokenizer, [*item.messages, {"role": "assistant", "content": text}]),
+            out.append(ending_at_eos(chat_ids(self.tokenizer, [*item.messages, {"role": "assistant", "content": text}],
+                                              add_generation_prompt=False),
                                      self.tokenizer.eos_token_id))
         return out
 
