@@ -120,6 +120,15 @@ class ValueHead:
         return critic_hf_config(causal_lm_config)
 
 
+def check_pair_batch(batch: Batch, role: str, keys: tuple[str, ...], sets: str) -> None:
+    """A preference update's batch: every key the head's loss reads, and whole (chosen, rejected) pairs."""
+    missing = [k for k in keys if k not in batch]
+    if missing:
+        raise ValueError(f"{role} update: the preference batch has no {missing} (rlcore/preference.py sets {sets})")
+    if batch.size % 2:
+        raise ValueError(f"{role} update: {batch.size} rows are not whole (chosen, rejected) pairs")
+
+
 class ScoreHead:
     """A reward model's scalar score (``score_head.py``, HF ``*ForSequenceClassification``'s ``score``):
     ``scores[:, t]`` is the output AT position t (not shifted); a row's outcome score is at its last
@@ -146,12 +155,7 @@ class ScoreHead:
 
     @staticmethod
     def check_update(batch: Batch, role: str) -> None:
-        missing = [k for k in ScoreHead.train_keys if k not in batch]
-        if missing:
-            raise ValueError(f"{role} update: the preference batch has no {missing} (rlcore/preference.py sets "
-                             "loss_weights over the mini-batch's pairs)")
-        if batch.size % 2:
-            raise ValueError(f"{role} update: {batch.size} rows are not whole (chosen, rejected) pairs")
+        check_pair_batch(batch, role, ScoreHead.train_keys, "loss_weights over the mini-batch's pairs")
 
     @staticmethod
     def loss(output: torch.Tensor, micro_batch: Batch, inputs, loss_cfg, tp_group):
@@ -181,12 +185,8 @@ class DPOHead(LMHead):
 
     @staticmethod
     def check_update(batch: Batch, role: str) -> None:
-        missing = [k for k in DPOHead.train_keys if k not in batch]
-        if missing:
-            raise ValueError(f"{role} update: the preference batch has no {missing} (rlcore/preference.py sets "
-                             "ref_logprobs from the reference and loss_weights over the mini-batch's pairs)")
-        if batch.size % 2:
-            raise ValueError(f"{role} update: {batch.size} rows are not whole (chosen, rejected) pairs")
+        check_pair_batch(batch, role, DPOHead.train_keys,
+                         "ref_logprobs from the reference and loss_weights over the mini-batch's pairs")
 
     @staticmethod
     def loss(output: torch.Tensor, micro_batch: Batch, inputs, loss_cfg, tp_group):

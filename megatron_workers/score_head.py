@@ -16,34 +16,18 @@ seeded initial layer, as the critic does.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from .value_head import ValueHead
 
 HF_SCORE_WEIGHT = "score.weight"
 
 
-class ScoreLayer(torch.nn.Module):
+class ScoreLayer(ValueHead):
     """Linear(hidden -> 1, no bias) standing in for GPTModel's ``output_layer``; computed in float32.
     Replicated on every TP rank, as the value head (value_head.py explains the gradient)."""
 
     def __init__(self, config, seed: int):
-        super().__init__()
-        device = torch.device("cpu") if config.use_cpu_initialization else torch.cuda.current_device()
-        hidden = config.hidden_size
-        self.weight = torch.nn.Parameter(torch.empty(1, hidden, dtype=config.params_dtype, device=device))
-        # Its own generator: the same initial layer on every rank and in every layout.
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            self.weight.copy_(torch.randn(1, hidden, generator=g) * config.init_method_std)
-        self.sequence_parallel = config.sequence_parallel
-
-    def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
-        """[s, b, h] (or [s/TP, b, h] under sequence parallel) -> ([s, b, 1], None), as the output
-        layer's signature."""
-        if self.sequence_parallel:
-            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
-
-            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
-        return F.linear(hidden_states.float(), self.weight.float()), None
+        super().__init__(config, seed, bias=False)
 
 
 def build_score_model(hf, config, profile: str, vp_stage, seed: int):

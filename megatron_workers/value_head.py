@@ -23,12 +23,15 @@ HF_WEIGHT, HF_BIAS = "score.weight", "score.bias"
 class ValueHead(torch.nn.Module):
     """Linear(hidden -> 1) standing in for GPTModel's ``output_layer``; computed in float32."""
 
-    def __init__(self, config, seed: int):
+    def __init__(self, config, seed: int, bias: bool = True):
         super().__init__()
         device = torch.device("cpu") if config.use_cpu_initialization else torch.cuda.current_device()
         hidden = config.hidden_size
         self.weight = torch.nn.Parameter(torch.empty(1, hidden, dtype=config.params_dtype, device=device))
-        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=config.params_dtype, device=device))
+        if bias:
+            self.bias = torch.nn.Parameter(torch.zeros(1, dtype=config.params_dtype, device=device))
+        else:  # a reward model's SeqCls score has none
+            self.register_parameter("bias", None)
         # A generator of its own: the same initial head on every rank and in every layout (megatron's
         # init draws from the global RNG in a layout-dependent order). Kept when the checkpoint has
         # no score.weight (a critic started from the actor's checkpoint).
@@ -46,11 +49,11 @@ class ValueHead(torch.nn.Module):
             # The head is replicated, so the computation after the gather is duplicated on every TP
             # rank: the backward must split the gradient, not reduce-scatter (sum) it.
             hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
-        return F.linear(hidden_states.float(), self.weight.float(), self.bias.float()), None
+        return F.linear(hidden_states.float(), self.weight.float(), None if self.bias is None else self.bias.float()), None
 
 
 def is_value_model(model) -> bool:
-    return isinstance(getattr(model, "output_layer", None), ValueHead)
+    return type(getattr(model, "output_layer", None)) is ValueHead  # not a reward model's ScoreLayer
 
 
 def token_values(output: torch.Tensor) -> torch.Tensor:
