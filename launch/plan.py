@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -28,7 +29,7 @@ from rlcore.config import on_policy_update, resolved_critic
 from rlcore.hf_config import HFModelSpec, parse_hf_config, read_hf_config
 from rlcore.job import ConfigError
 from rlcore.layout import RoleLayout, check_micro_batches, check_model_split, stage_layers
-from rlcore.validate import JobLayout
+from rlcore.validate import REWARD_MODEL_SECTIONS, JobLayout
 
 GB = 1e9
 BYTES = {"bfloat16": 2, "float32": 4}
@@ -279,6 +280,12 @@ def estimate(cfg, layout: JobLayout, model: Optional[tuple[ModelDims, str]] = No
                                  c.micro_batch_size,
                                  max(1, critic_sequences // (critic_layout.dp * c.micro_batch_size)), True,
                                  c.optim.use_distributed_optimizer, value_head=True))
+    for name, lay in layout.reward.items():  # reward models: forward only, a scalar head, their own shape
+        key = f"reward.{REWARD_MODEL_SECTIONS[name]}"
+        section = getattr(cfg.reward, REWARD_MODEL_SECTIONS[name])
+        dims = ModelDims.from_spec(read_hf_config(section.path, key=f"{key}.path")) if os.path.isdir(section.path) else m
+        roles.append(_train_role(dims, key, lay, layout.dtype, layout.device, seq_len, section.micro_batch_size, 1,
+                                 False, False, value_head=True))
     roles.append(_rollout_role(m, cfg, layout, gpu_memory, seq_len))
     return Plan(model=m, source=source, device=layout.device, dtype=layout.dtype, gpu_memory=gpu_memory,
                 roles=roles, seq_len=seq_len, sequences=sequences)

@@ -74,9 +74,12 @@ def transformers_scores(path: str, batch: Batch) -> tuple[torch.Tensor, torch.Te
     return logits, every
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def placement(ray_pools):
-    return ray_pools({"rm": 4}, {"rm": "rm"}).placement("rm")
+    """Four logical GPUs for one test, released after it (the end-to-end test's roles need them)."""
+    pools = ray_pools({"rm": 4}, {"rm": "rm"})
+    yield pools.placement("rm")
+    pools.shutdown()
 
 
 @pytest.mark.slow
