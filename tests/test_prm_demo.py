@@ -30,6 +30,19 @@ def test_two_step_rows_are_scored_on_their_final_number():
         assert score(f"{(d + 1) % 10}={e}") == 1.0
 
 
+def test_two_step_reward_scores_the_final_number_and_measures_the_steps():
+    from launch.assets import two_step_rows
+    from launch.assets.tiny import two_step_reward
+
+    row = next(r for r in two_step_rows() if r["prompt"][0]["content"] == "1+2+1=")
+    got = lambda text: two_step_reward(row["data_source"], text, row["reward_model"]["ground_truth"], row["extra_info"])
+    assert got("3=4") == {"score": 1.0, "first_step": 1.0, "two_step": 1.0}
+    assert got("+=4") == {"score": 1.0, "first_step": 0.0, "two_step": 0.0}  # right number, no first step
+    assert got("3=5") == {"score": 0.0, "first_step": 1.0, "two_step": 0.0}
+    with pytest.raises(ValueError, match="extra_info has no 'first_step'"):
+        two_step_reward("x", "3=4", "4", {"a": 1})
+
+
 def test_pair_completions_end_at_the_prms_step_ends(tokenizer, tmp_path):
     from launch.assets import two_step_pairs
     from launch.assets.tiny import TWO_STEP_SEPARATOR
@@ -58,7 +71,7 @@ def test_pair_completions_end_at_the_prms_step_ends(tokenizer, tmp_path):
             kinds["whole"] += 1
             assert step_ends(pair.chosen_ids, tokenizer, separator_token_id=sep) == [1, 2]
             assert len(pair.rejected_ids) == 3 and row["rejected"] != row["chosen"]
-    assert kinds["first"] == 27 * 11 and kinds["whole"] == 27 * (11 + 11 + 6)
+    assert kinds["first"] == 27 * 11 and kinds["whole"] == 27 * (11 + 11 + 1 + 40)
     # The default appends eos, as an outcome RM's completions end: the PRM's pairs need append_eos=False.
     assert PreferenceDataset(str(path), tokenizer, max_response_length=4)[0].chosen_ids[-1] == tokenizer.eos_token_id
 
@@ -71,7 +84,7 @@ def test_held_out_pairs_are_new_rejections_of_every_prompt():
     assert not {key(r) for r in train} & {key(r) for r in held_out}
     prompts = {r["prompt"][0]["content"] for r in two_step_rows(max_operand=2)}
     assert {r["prompt"][0]["content"] for r in held_out} == prompts == {r["prompt"][0]["content"] for r in train}
-    assert len(held_out) == 3 * len(prompts)  # one rejected of each kind (first, final, process) per prompt
+    assert len(held_out) == 4 * len(prompts)  # one rejected of each kind (first, final, process, random) per prompt
     with pytest.raises(ValueError, match="held_out_per_kind=11"):
         two_step_pairs(held_out_per_kind=11)
 

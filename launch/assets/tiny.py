@@ -173,6 +173,20 @@ def two_step_rows(max_operand: int = 2, seed: int = 0) -> list[dict]:
     return rows
 
 
+def two_step_reward(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> dict:
+    """The numeric verifier's score (the final number is e) and two metrics that do not train
+    (``reward/first_step``: the response starts with the right first step "d="; ``reward/two_step``:
+    it is exactly "d=e"), for ``reward.function: launch.assets.tiny:two_step_reward``."""
+    from rlcore.reward import numeric_verifier
+
+    if not isinstance(extra_info, dict) or "first_step" not in extra_info:
+        raise ValueError("extra_info has no 'first_step': two_step_reward scores launch.assets.tiny.two_step_rows' rows")
+    first = f"{extra_info['first_step']}{TWO_STEP_SEPARATOR}"
+    return {"score": numeric_verifier(data_source, solution_str, ground_truth),
+            "first_step": float(solution_str.startswith(first)),
+            "two_step": float(solution_str == f"{first}{ground_truth}")}
+
+
 def make_two_step_data(out_dir: str, max_operand: int = 2) -> str:
     """Writes ``train.parquet`` (``two_step_rows``) into ``out_dir`` (kept if it exists)."""
     import pyarrow as pa
@@ -186,21 +200,21 @@ def make_two_step_data(out_dir: str, max_operand: int = 2) -> str:
     return path
 
 
-def two_step_pairs(max_operand: int = 2, held_out_per_kind: int = 1, random_rejected: int = 6, seed: int = 0
+def two_step_pairs(max_operand: int = 2, held_out_per_kind: int = 1, random_rejected: int = 40, seed: int = 0
                    ) -> tuple[list[dict], list[dict]]:
     """(train, held-out) preference rows for a process reward model on ``two_step_rows``, each
     completion ending where the PRM reads a step's score (its last token; train with
-    ``algorithm.rm.append_eos: false``). Per prompt, three kinds of pair:
+    ``algorithm.rm.append_eos: false``). Per prompt, four kinds of pair:
 
     - ``first``: the first step alone, ``chosen`` "d=", ``rejected`` "x=" for each of the 11 other
       tokens x a policy can write there (other digits, ``+``, ``=``);
     - ``final``: the whole answer with a wrong last step, "d=e" over "d=y" (11 others y);
     - ``process``: the whole answer with the right final number reached by a wrong first step, "d=e"
       over "x=e": a verifier cannot tell them apart, a process reward model must;
+    - ``random``: ``random_rejected`` random three-token answers (none "?=e") below "d=e", so
+      responses of any other shape score low too (a policy would otherwise find the unscored ones).
 
-    and ``random_rejected`` random three-token answers (none "?=e", none the answer) below "d=e",
-    so off-format responses score low too. Per prompt, ``held_out_per_kind`` rejected of each of the
-    three kinds go to the held-out split only."""
+    Per prompt, ``held_out_per_kind`` more rejected of each kind go to the held-out split only."""
     rng = random.Random(seed)
     train, held_out = [], []
     if not 0 <= held_out_per_kind < len(WRONG_ANSWERS) - 1:
@@ -217,12 +231,13 @@ def two_step_pairs(max_operand: int = 2, held_out_per_kind: int = 1, random_reje
             for i, r in enumerate(rejected):
                 (held_out if i < held_out_per_kind else train).append(
                     {"prompt": prompt, "chosen": chosen, "rejected": r})
-        seen = set()
-        while len(seen) < random_rejected:
+        drawn = []
+        while len(drawn) < held_out_per_kind + random_rejected:
             r = "".join(rng.choice(WRONG_ANSWERS) for _ in range(3))
-            if r[1:] != f"{sep}{e}" and r not in seen:
-                seen.add(r)
-                train.append({"prompt": prompt, "chosen": answer, "rejected": r})
+            if r[1:] != f"{sep}{e}" and r not in drawn:
+                drawn.append(r)
+        for i, r in enumerate(drawn):
+            (held_out if i < held_out_per_kind else train).append({"prompt": prompt, "chosen": answer, "rejected": r})
     rng.shuffle(train)
     return train, held_out
 
