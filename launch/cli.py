@@ -40,6 +40,8 @@ def _layout_table(layout: JobLayout) -> str:
     ro = layout.rollout
     if ro is not None:  # a preference job without greedy validation has no engines
         rows.append(("rollout", ro.pool, ro.gpus, ro.tp, "-", ro.engines))
+    if layout.judge is not None:
+        rows.append(("judge", layout.judge.pool, layout.judge.gpus, layout.judge.tp, "-", layout.judge.engines))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in rows)
 

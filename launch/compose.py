@@ -13,6 +13,7 @@ from launch.report import write_after_run
 from rlcore import checkpoint
 from rlcore.config import JobConfig
 from rlcore.data import load_task
+from rlcore.judge import judge_rollout_config
 from rlcore.layout import RoleLayout
 from rlcore.lr_schedule import role_schedule
 from rlcore.validate import REWARD_MODEL_SECTIONS, JobLayout
@@ -52,6 +53,8 @@ def job_threads(cfg: JobConfig, layout: JobLayout) -> dict[str, int]:
     if layout.rollout is not None:
         ranks["rollout"] = layout.rollout.engines * layout.rollout.tp
     ranks.update({name: r.tp * r.pp * r.dp for name, r in layout.reward.items()})
+    if layout.judge is not None:
+        ranks["judge"] = layout.judge.engines * layout.judge.tp
     if cfg.trainer.off_policy_steps > 0:
         everyone = math_threads(cores, -(-sum(ranks.values()) // nodes))
         return {name: everyone for name in ranks}
@@ -70,6 +73,8 @@ def build_roles(cfg: JobConfig, layout: JobLayout) -> Roles:
     if layout.critic:
         role_pools["critic"] = layout.critic.pool
     role_pools.update({name: r.pool for name, r in layout.reward.items()})
+    if layout.judge:
+        role_pools["judge"] = layout.judge.pool
     pools = ResourcePools(cfg.resources.pools, role_pools)
     roles = Roles(actor=None, rollout=None, on_shutdown=[pools.shutdown])
     seed, a, c = cfg.trainer.seed, cfg.actor, cfg.critic
@@ -104,6 +109,11 @@ def build_roles(cfg: JobConfig, layout: JobLayout) -> Roles:
                                     layout.dtype, seed, max_model_len=max_model_len, threads=threads["rollout"])
         connect_weight_sync(roles.actor, roles.rollout, cfg.rollout.engines, cfg.rollout.bucket_mb * 1024 ** 2,
                             layout.dtype, cfg.rollout.weight_transport, timeout_s=cfg.rollout.sync_timeout_s)
+        if layout.judge:  # the LLM judge's engines: the judge model, never weight-synced
+            roles.reward["judge"] = RolloutPool(cfg.reward.judge.model_path, judge_rollout_config(cfg),
+                                                pools.placement("judge"), layout.device, layout.dtype, seed,
+                                                max_model_len=cfg.reward.judge.max_model_len,
+                                                threads=threads["judge"], name="judge")
     except BaseException:
         roles.shutdown()
         raise

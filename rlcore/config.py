@@ -212,6 +212,34 @@ class DataConfig:
 
 
 @dataclass
+class JudgeConfig:
+    """An LLM judge (``reward.judge``, rlcore/judge.py): a vLLM pool of its own runs the judge model on a
+    prompt rendered from ``template`` for every response; ``parser`` reads a score in [0, 1] from
+    its output (unreadable: 0, counted in reward/judge_unparsed). No judge unless model_path is set."""
+    model_path: Optional[str] = None  # HF folder of the judge (its own tokenizer and chat template); None: no judge
+    pool: str = "judge"  # its own pool in resources.pools, of engines * tp GPUs (shared with no other role)
+    engines: int = 1
+    tp: int = 1  # vLLM tensor parallel size per judge engine
+    # The judge's prompt: a Python format string with the placeholders {response} (required: the
+    # response decoded with the policy's tokenizer), {prompt} (the prompt's user messages, joined by
+    # newlines) and {ground_truth}; a literal brace is written {{ or }}. Give template or template_file.
+    template: Optional[str] = None
+    template_file: Optional[str] = None  # a text file holding the template (relative to the working directory)
+    apply_chat_template: bool = True  # the rendered prompt as one user message in the judge's chat template
+    # number: the judge's final number (as the numeric verifier reads it: the last \boxed{}, else after
+    # ####, else the last number; 3/4 reads 0.75), mapped by (x - score_min) / (score_max - score_min)
+    # and clamped to [0, 1]; yes_no: the first word yes (1) or no (0), any case
+    parser: str = "number"
+    score_min: float = 0.0  # number: the judge's worst score
+    score_max: float = 10.0  # number: the judge's best score
+    max_tokens: int = 32  # the judge's output tokens per response
+    temperature: float = 0.0  # 0: greedy; above 0: sampled, seeded by the batch's judge prompts (a rerun judges alike)
+    max_model_len: Optional[int] = None  # judge prompt + max_tokens; None: the judge's max_position_embeddings
+    kv_cache_gb: float = 0.25  # cpu profile: each judge engine's KV cache (host memory)
+    gpu_memory_utilization: float = 0.3  # gpu profile: each judge engine's share of its GPU
+
+
+@dataclass
 class RewardModelConfig:
     """An outcome reward model in the loop (the "rm" reward source, rlcore/reward_sources.py): a
     forward-only Megatron role with the score head scoring each prompt+response at its last token."""
@@ -246,13 +274,15 @@ class RewardConfig:
     # fn(data_source: str, solution_str: str, ground_truth: str, extra_info: dict) -> float | dict
     function: str = "numeric"
     # The weight of each reward source in the trained reward: rule, rm (reward.model), prm
-    # (reward.process); e.g. {rule: 0.7, rm: 0.3}. Empty: weight 1 for each configured source; else it
-    # names every configured source (a weight of 0 keeps a source's metric without training on it).
+    # (reward.process), judge (reward.judge); e.g. {rule: 0.7, rm: 0.3}. Empty: weight 1 for each
+    # configured source; else it names every configured source (a weight of 0 keeps a source's metric
+    # without training on it).
     weights: dict[str, float] = field(default_factory=dict)
     # none | batch: batch z-scores every source's scores over the batch (mean 0, std 1) before weighting
     normalize: str = "none"
     model: RewardModelConfig = field(default_factory=RewardModelConfig)
     process: ProcessRewardConfig = field(default_factory=ProcessRewardConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)  # an LLM judge as a reward source (rlcore/judge.py)
 
 
 @dataclass
@@ -283,6 +313,8 @@ class DPOConfig:
     beta: float = 0.1  # the implicit reward's scale: beta * (log pi - log pi_ref) summed over the completion
     loss_type: str = "sigmoid"  # sigmoid (DPO: -logsigmoid(beta * margin)) | ipo ((margin - 1/(2 beta))^2)
     label_smoothing: float = 0.0  # sigmoid: the assumed probability that a pair's label is flipped (cDPO)
+    # + sft_coeff x the chosen completion's mean token NLL (RPO; TRL's rpo_alpha): 0 is plain DPO / IPO
+    sft_coeff: float = 0.0
     # verl-schema prompt files (prompt + reward_model.ground_truth) answered greedily by a rollout engine
     # with the current weights every trainer.val_every steps (and before step 1) and scored by
     # reward.function: val/reward_mean, the policy's held-out accuracy. Empty: no rollout pool is built.

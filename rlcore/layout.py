@@ -110,18 +110,18 @@ def _check_pp_layers(model: HFModelSpec, pp: int, vpp: int, layers: list[int], k
                           "chunks (each count a multiple of vpp)")
 
 
-def check_rollout_split(model: HFModelSpec, tp: int, device: str) -> None:
-    """vLLM's TP split of ``model`` (rollout.tp), and the CPU attention kernel's head sizes."""
+def check_rollout_split(model: HFModelSpec, tp: int, device: str, key: str = "rollout.tp") -> None:
+    """vLLM's TP split of ``model`` (``key``: rollout.tp, reward.judge.tp), and the CPU attention kernel's head sizes."""
     src = model.source
     if device == "cpu" and model.head_dim not in CPU_ATTENTION_HEAD_DIMS:
         raise ConfigError(f"the model's head_dim={model.head_dim} ({src}) is not supported by the vLLM "
                           f"CPU attention kernel (supported: {', '.join(map(str, CPU_ATTENTION_HEAD_DIMS))})")
     if model.num_attention_heads % tp:
-        raise ConfigError(f"rollout.tp={tp} does not divide the model's {model.num_attention_heads} "
+        raise ConfigError(f"{key}={tp} does not divide the model's {model.num_attention_heads} "
                           f"attention heads ({src}: num_attention_heads)")
     # vLLM splits KV heads over TP ranks, or replicates them when there are fewer heads than ranks.
     if model.num_kv_heads % tp and tp % model.num_kv_heads:
-        raise ConfigError(f"rollout.tp={tp} neither divides nor is a multiple of the model's "
+        raise ConfigError(f"{key}={tp} neither divides nor is a multiple of the model's "
                           f"{model.num_kv_heads} key-value heads ({src}: num_key_value_heads)")
 
 

@@ -106,7 +106,6 @@ class PreferenceTrainer:
         for _ in range(a.ppo_epochs):
             for mini in batch.split(rows):
                 mini["loss_weights"] = pair_weights(mini.size)
-                self.nonfinite.poison_for_test(self.actor, mini)
                 result = self.actor.update(mini, self.loss_cfg)
                 self.nonfinite.check(self.actor, mini, result)
                 for k, v in result.items():

@@ -44,13 +44,18 @@ def chosen_rejected(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
              ref_rejected: torch.Tensor, pair_weights: torch.Tensor, beta: float, loss_type: str = "sigmoid",
-             label_smoothing: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+             label_smoothing: float = 0.0, sft_coeff: float = 0.0, chosen_tokens: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DPO (Rafailov et al. 2023) or IPO (Azar et al. 2023) on P pairs: every argument [P] (sequence
     log-probs of the completions under the policy and the reference; ``pair_weights`` the share of each
     pair in the aggregate). With the margin h = (pc - rc) - (pr - rr):
 
     - sigmoid: -(1 - ls) * logsigmoid(beta * h) - ls * logsigmoid(-beta * h)  (ls = label_smoothing, cDPO);
-    - ipo: (h - 1 / (2 beta))^2.
+    - ipo: (h - 1 / (2 beta))^2;
+
+    plus, with ``sft_coeff`` > 0, sft_coeff x the chosen completion's mean token NLL, -pc / chosen_tokens
+    (RPO, Pang et al. 2024; TRL's rpo_alpha): it keeps the chosen completions likely, which DPO alone
+    lets fall together with the rejected ones.
 
     Returns (sum(w * loss), metrics as weighted sums): dpo/loss, dpo/reward_accuracy (the implicit
     reward beta * (log pi - log pi_ref) of chosen above rejected's), dpo/margin (their difference),
@@ -64,6 +69,8 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
         per_pair = (-(1.0 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h))
     else:
         per_pair = (h - 1.0 / (2.0 * beta)) ** 2
+    if sft_coeff:
+        per_pair = per_pair + sft_coeff * -policy_chosen.float() / chosen_tokens.float()
     w = pair_weights.float()
     chosen_reward = (beta * chosen_logratio).detach()
     rejected_reward = (beta * rejected_logratio).detach()
@@ -88,7 +95,9 @@ def dpo_batch_loss(logprobs: torch.Tensor, batch: Batch, loss_cfg) -> tuple[torc
     pc, pr = chosen_rejected(sequence_logprobs(logprobs, mask))
     rc, rr = chosen_rejected(sequence_logprobs(batch["ref_logprobs"], mask))
     weights, _ = chosen_rejected(batch["loss_weights"])
-    return dpo_loss(pc, pr, rc, rr, weights, loss_cfg.beta, loss_cfg.loss_type, loss_cfg.label_smoothing)
+    chosen_tokens, _ = chosen_rejected(mask.float().sum(dim=1))
+    return dpo_loss(pc, pr, rc, rr, weights, loss_cfg.beta, loss_cfg.loss_type, loss_cfg.label_smoothing,
+                    loss_cfg.sft_coeff, chosen_tokens)
 
 
 def pair_weights(rows: int) -> torch.Tensor:

@@ -79,6 +79,8 @@ def _check_dpo(cfg: JobConfig) -> None:
         raise ConfigError(f"algorithm.dpo.loss_type={d.loss_type!r} is not one of: {', '.join(DPO_LOSS_TYPES)}")
     if not 0 <= d.label_smoothing < 0.5:
         raise ConfigError(f"algorithm.dpo.label_smoothing={d.label_smoothing} must be in [0, 0.5)")
+    if d.sft_coeff < 0:
+        raise ConfigError(f"algorithm.dpo.sft_coeff={d.sft_coeff} must not be negative")
     if d.label_smoothing and d.loss_type != "sigmoid":
         raise ConfigError(f"algorithm.dpo.label_smoothing={d.label_smoothing} applies to loss_type=sigmoid only, "
                           f"not {d.loss_type}; set it to 0")

@@ -30,6 +30,7 @@ import torch
 
 from rlcore.batch import Batch, Trajectory
 from rlcore.data import PromptItem
+from rlcore.judge import JudgeSource
 from rlcore.registry import Registry
 from rlcore.reward import RewardError, compute_rewards
 
@@ -377,3 +378,5 @@ REWARD_SOURCES.add("prm", lambda cfg, task, role: ProcessRewardSource(
     _scoring_model(cfg, task, role, cfg.reward.process, "reward.process.path"), cfg.reward.process.separator,
     cfg.reward.process.separator_token_id, cfg.reward.process.aggregate),
     configured=lambda cfg: cfg.reward.process.path is not None)
+REWARD_SOURCES.add("judge", lambda cfg, task, role: JudgeSource.load(cfg, role),
+                   configured=lambda cfg: cfg.reward.judge.model_path is not None)

@@ -15,6 +15,7 @@ from rlcore import algos, lr_schedule
 from rlcore.config import JobConfig, resolved_critic
 from rlcore.hf_config import HFModelSpec, read_hf_config
 from rlcore.job import ConfigError
+from rlcore.judge import validate_judge
 from rlcore.nonfinite import POLICIES as NONFINITE_POLICIES
 from rlcore.layout import (INHERITED, RoleLayout, RolloutLayout, check_micro_batches, check_model_split,
                            check_rollout_split)
@@ -38,6 +39,7 @@ class JobLayout:
     dtype: str  # the resolved model dtype: float32 | bfloat16
     critic: Optional[RoleLayout] = None  # None unless the advantage estimator needs values (needs_critic)
     reward: dict[str, RoleLayout] = field(default_factory=dict)  # the scoring roles by source: "rm", "prm"
+    judge: Optional[RolloutLayout] = None  # the LLM judge's engines (reward.judge); None: no judge
 
 
 def for_another_machine(cfg: JobConfig) -> bool:
@@ -108,8 +110,12 @@ def validate(cfg: JobConfig, require_files: Optional[bool] = None) -> JobLayout:
     except RewardError as e:
         raise ConfigError(str(e)) from e
     reward = reward_layouts(cfg, model, require_files)
+    judge = validate_judge(cfg, device, require_files, {name: lay.pool for name, lay in (
+        ("actor", actor), ("reference", reference), ("critic", critic), ("rollout", rollout),
+        *((f"reward.{REWARD_MODEL_SECTIONS[n]}", lay) for n, lay in reward.items())) if lay is not None})
     return JobLayout(actor=actor, reference=reference, rollout=rollout, device=device,
-                     total_gpus=sum(cfg.resources.pools.values()), dtype=dtype, critic=critic, reward=reward)
+                     total_gpus=sum(cfg.resources.pools.values()), dtype=dtype, critic=critic, reward=reward,
+                     judge=judge)
 
 
 # ------------------------------------------------------------------------------- reward models

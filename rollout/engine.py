@@ -58,9 +58,9 @@ def cpu_threads_bind(engine_index: int, tp: int, threads: int, cpus: list[int] |
 class VLLMEngine:
     def __init__(self, model_path: str, cfg: RolloutConfig, profile: str, dtype: str, seed: int,
                  engine_index: int = 0, max_model_len: int | None = None,
-                 ray_bundle_indices: list[int] | None = None, threads: int = 1):
+                 ray_bundle_indices: list[int] | None = None, threads: int = 1, name: str = "rollout"):
         # First: every later line of this process (vLLM's, torch's, C++'s) into run_dir/logs/.
-        console = worker_logs.capture_worker_output(f"rollout_engine{engine_index}", HARMLESS_WARNINGS)
+        console = worker_logs.capture_worker_output(f"{name}_engine{engine_index}", HARMLESS_WARNINGS)
         if profile not in PROFILES:
             raise ValueError(f"profile {profile!r}: expected one of {PROFILES}")
         if dtype not in ("float32", "bfloat16", "float16"):

@@ -21,8 +21,10 @@ from .engine import VLLMEngine
 
 class RolloutPool:
     def __init__(self, model_path: str, cfg: RolloutConfig, placement: RolePlacement, profile: str, dtype: str,
-                 seed: int, max_model_len: int | None = None, startup_timeout_s: float = 900.0, threads: int = 1):
-        """``threads``: each vLLM worker's math threads (its share of the cores, launch/compose.py)."""
+                 seed: int, max_model_len: int | None = None, startup_timeout_s: float = 900.0, threads: int = 1,
+                 name: str = "rollout"):
+        """``threads``: each vLLM worker's math threads (its share of the cores, launch/compose.py);
+        ``name``: the role, naming its engines' logs (``<name>_engine<e>.log``)."""
         need = cfg.engines * cfg.tp
         if cfg.engines < 1 or cfg.tp < 1:
             raise ValueError(f"rollout.engines={cfg.engines} and rollout.tp={cfg.tp} must be >= 1")
@@ -47,7 +49,7 @@ class RolloutPool:
                 options["num_gpus"] = 0
             self._starts.append(lambda options=options, e=e, bundles=bundles: remote_cls.options(**options).remote(
                 model_path, cfg, profile, dtype, seed, engine_index=e, max_model_len=max_model_len,
-                ray_bundle_indices=bundles, threads=threads))
+                ray_bundle_indices=bundles, threads=threads, name=name))
         self.engines = [start() for start in self._starts]
         self._wait_up(range(cfg.engines))
 

@@ -56,6 +56,14 @@ def test_dpo_label_smoothing_and_ipo_match_hand_computed_values():
     assert float(m["dpo/margin"]) == pytest.approx(0.5 * 0.25 + 0.5 * -0.375, abs=1e-7)
 
 
+def test_dpo_sft_term_adds_the_chosen_mean_token_nll():
+    t = [torch.tensor(x) for x in (PC, PR, RC, RR)]
+    plain, _ = dpo_loss(*t, torch.tensor([0.5, 0.5]), 0.1)
+    loss, m = dpo_loss(*t, torch.tensor([0.5, 0.5]), 0.1, sft_coeff=2.0, chosen_tokens=torch.tensor([2.0, 3.0]))
+    assert float(loss - plain) == pytest.approx(2.0 * (0.5 * 1.0 / 2 + 0.5 * 3.0 / 3), abs=1e-6)
+    assert float(m["dpo/loss"]) == pytest.approx(float(loss))
+
+
 def test_dpo_gradient_pushes_chosen_up_and_rejected_down():
     pc, pr = torch.tensor([-1.0], requires_grad=True), torch.tensor([-1.0], requires_grad=True)
     loss, _ = dpo_loss(pc, pr, torch.tensor([-1.0]), torch.tensor([-1.0]), torch.ones(1), 0.5)
@@ -171,6 +179,7 @@ def test_rlx_validate_and_train_name_a_row_missing_chosen_before_anything_starts
     (["algorithm.dpo.loss_type=hinge"], "algorithm.dpo.loss_type='hinge' is not one of: sigmoid, ipo"),
     (["algorithm.dpo.beta=0"], "algorithm.dpo.beta=0.0 must be positive"),
     (["algorithm.dpo.loss_type=ipo", "algorithm.dpo.label_smoothing=0.1"], "applies to loss_type=sigmoid only"),
+    (["algorithm.dpo.sft_coeff=-1"], "algorithm.dpo.sft_coeff=-1.0 must not be negative"),
     (["algorithm.type=sft"], "algorithm.type='sft' is not one of: rl, dpo"),
     (["data.batch_size=3"], "2*data.batch_size=2*3=6 sequences do not split into equal micro-batches for the actor"),
     (["algorithm.dpo.greedy_val_files=[x.parquet]"], "algorithm.dpo.greedy_val_files[0]=x.parquet not found"),

@@ -152,6 +152,7 @@ def rm_run(qwen2_untied, tmp_path_factory):
     run_dir = root / "run"
     cfg = load_job(RM_SPEC, [f"model.path={qwen2_untied}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
                              f"data.batch_size={PAIRS}", "actor.micro_batch_size=8", f"trainer.total_steps={STEPS}",
+                             "actor.optim.lr_warmup_steps=null", "actor.optim.lr_decay_style=constant",
                              f"trainer.val_every={STEPS}", f"trainer.save_every={STEPS}", f"trainer.run_dir={run_dir}"])
     trainer = None
     try:
