@@ -57,10 +57,11 @@ def test_pair_completions_end_at_the_prms_step_ends(tokenizer, tmp_path):
     sep = tokenizer.convert_tokens_to_ids(TWO_STEP_SEPARATOR)
     kinds = {"first": 0, "whole": 0}
     for row, pair in zip(train + held_out, pairs):
-        d_e = row["chosen"] if len(row["chosen"]) == 3 else None
+        a, b, c = (int(ch) for ch in row["prompt"][0]["content"][:-1].split("+"))
+        assert row["chosen"] in (f"{a + b}=", f"{a + b}={a + b + c}")  # the right first step, or the whole answer
         for text, ids in ((row["chosen"], pair.chosen_ids), (row["rejected"], pair.rejected_ids)):
             assert ids == tokenizer.encode(text, add_special_tokens=False)  # no eos: scored at its own last token
-        if d_e is None:  # the first step alone, "d=": its last token is the first step's end in "d=e"
+        if len(row["chosen"]) == 2:  # the first step alone, "d=": its last token is the first step's end in "d=e"
             kinds["first"] += 1
             assert row["chosen"].endswith(TWO_STEP_SEPARATOR) and len(pair.chosen_ids) == 2
             assert row["rejected"].endswith(TWO_STEP_SEPARATOR) and row["rejected"] != row["chosen"]
