@@ -327,6 +327,10 @@ class RMConfig:
     ``rlcore.algos.rm_batch_loss`` reads on the workers, as the actor's loss config."""
     margin: float = 0.0  # Bradley-Terry on chosen - rejected - margin: the chosen must win by this much (Llama 2)
     center_coeff: float = 0.0  # TRL's center_rewards_coefficient: + coeff * (chosen + rejected)^2, scores near 0
+    # true: every completion ends in eos (appended), so its score is read where an outcome RM reads a finished
+    # response (reward.model); false: at the completion's own last token, where a process RM (reward.process)
+    # reads a step's score (a completion that is a response's first steps, ending with the step separator)
+    append_eos: bool = True
 
 
 @dataclass

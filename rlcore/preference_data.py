@@ -42,10 +42,10 @@ class PreferenceDataset(RowDataset):
     """All preference rows of ``files``, validated and tokenised at construction."""
 
     def __init__(self, files: Sequence[str] | str, tokenizer, prompt_key: str = "prompt", max_prompt_length: int = 512,
-                 max_response_length: int = 256, apply_chat_template: bool = True):
+                 max_response_length: int = 256, apply_chat_template: bool = True, append_eos: bool = True):
         if tokenizer.eos_token_id is None:
             raise DataError("the tokenizer has no eos token, so a completion cannot be ended as the policy ends one")
-        self.max_response_length = max_response_length
+        self.max_response_length, self.append_eos = max_response_length, append_eos
         super().__init__(files, tokenizer, prompt_key, max_prompt_length, apply_chat_template)
 
     def _parse_row(self, where: str, row: Any, index: int) -> PreferencePair:
@@ -98,9 +98,9 @@ class PreferenceDataset(RowDataset):
                 raise DataError(f"{where}: the chat template renders the prompt differently when {key!r} follows it, "
                                 "so the completion's tokens cannot be separated from the prompt's")
             ids = full[len(prompt_ids):]
-            ids = ids[:ids.index(eos) + 1] if eos in ids else ids + [eos]
+            ids = ids[:ids.index(eos) + 1] if eos in ids else ids + [eos] * self.append_eos
         else:
-            ids = self._plain_ids(text) + [eos]
+            ids = self._plain_ids(text) + [eos] * self.append_eos
         if len(ids) > self.max_response_length:
             raise DataError(f"{where}: {key!r} is {len(ids)} tokens (eos included), longer than "
                             f"rollout.max_response_length={self.max_response_length}")
@@ -130,7 +130,7 @@ def load_preference_datasets(cfg, tokenizer) -> tuple[PreferenceDataset, Prefere
 
     def load(files):
         return PreferenceDataset(files, tokenizer, d.prompt_key, d.max_prompt_length, cfg.rollout.max_response_length,
-                                 d.apply_chat_template)
+                                 d.apply_chat_template, cfg.algorithm.type != "rm" or cfg.algorithm.rm.append_eos)
 
     return load(d.train_files), (load(d.val_files) if d.val_files else None)
 

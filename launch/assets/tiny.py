@@ -144,3 +144,114 @@ def make_addition_pairs(out_dir: str, max_operand: int = 4) -> tuple[str, str]:
             pq.write_table(pa.Table.from_pylist(rows), path + ".part")
             os.replace(path + ".part", path)  # a killed write never looks complete
     return paths
+
+
+# ------------------------------------------------------------------ the two-step task (a process RM)
+# "a+b+c=" answered in two steps, "d=e": d = a+b (the first step, ended by the "=" token) and e = d+c
+# (the last step). The numeric verifier reads the final number, e; a process reward model
+# (reward.process with separator_token_id = the "=" token's id) scores the first step at its "=" and
+# the last step at the response's last token.
+TWO_STEP_SEPARATOR = "="
+
+
+def two_step_rows(max_operand: int = 2, seed: int = 0) -> list[dict]:
+    """Every "a+b+c=" with a, b, c <= max_operand and a+b+c <= 9, in verl's schema: ``ground_truth``
+    the sum e, ``extra_info`` the operands and the first step's value d = a+b."""
+    rows = []
+    for a in range(max_operand + 1):
+        for b in range(max_operand + 1):
+            for c in range(max_operand + 1):
+                if a + b + c > 9:
+                    continue
+                rows.append({
+                    "data_source": "tiny_two_step_addition",
+                    "prompt": [{"role": "user", "content": f"{a}+{b}+{c}="}],
+                    "reward_model": {"style": "rule", "ground_truth": str(a + b + c)},
+                    "extra_info": {"a": a, "b": b, "c": c, "first_step": str(a + b)},
+                })
+    random.Random(seed).shuffle(rows)
+    return rows
+
+
+def two_step_reward(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> dict:
+    """The numeric verifier's score (the final number is e) and two metrics that do not train
+    (``reward/first_step``: the response starts with the right first step "d="; ``reward/two_step``:
+    it is exactly "d=e"), for ``reward.function: launch.assets.tiny:two_step_reward``."""
+    from rlcore.reward import numeric_verifier
+
+    if not isinstance(extra_info, dict) or "first_step" not in extra_info:
+        raise ValueError("extra_info has no 'first_step': two_step_reward scores launch.assets.tiny.two_step_rows' rows")
+    first = f"{extra_info['first_step']}{TWO_STEP_SEPARATOR}"
+    return {"score": numeric_verifier(data_source, solution_str, ground_truth),
+            "first_step": float(solution_str.startswith(first)),
+            "two_step": float(solution_str == f"{first}{ground_truth}")}
+
+
+def make_two_step_data(out_dir: str, max_operand: int = 2) -> str:
+    """Writes ``train.parquet`` (``two_step_rows``) into ``out_dir`` (kept if it exists)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "train.parquet")
+    if not os.path.exists(path):
+        pq.write_table(pa.Table.from_pylist(two_step_rows(max_operand)), path + ".part")
+        os.replace(path + ".part", path)
+    return path
+
+
+def two_step_pairs(max_operand: int = 2, held_out_per_kind: int = 1, random_rejected: int = 40, seed: int = 0
+                   ) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) preference rows for a process reward model on ``two_step_rows``, each
+    completion ending where the PRM reads a step's score (its last token; train with
+    ``algorithm.rm.append_eos: false``). Per prompt, four kinds of pair:
+
+    - ``first``: the first step alone, ``chosen`` "d=", ``rejected`` "x=" for each of the 11 other
+      tokens x a policy can write there (other digits, ``+``, ``=``);
+    - ``final``: the whole answer with a wrong last step, "d=e" over "d=y" (11 others y);
+    - ``process``: the whole answer with the right final number reached by a wrong first step, "d=e"
+      over "x=e": a verifier cannot tell them apart, a process reward model must;
+    - ``random``: ``random_rejected`` random three-token answers (none "?=e") below "d=e", so
+      responses of any other shape score low too (a policy would otherwise find the unscored ones).
+
+    Per prompt, ``held_out_per_kind`` more rejected of each kind go to the held-out split only."""
+    rng = random.Random(seed)
+    train, held_out = [], []
+    if not 0 <= held_out_per_kind < len(WRONG_ANSWERS) - 1:
+        raise ValueError(f"held_out_per_kind={held_out_per_kind}: expected 0..{len(WRONG_ANSWERS) - 2}")
+    sep = TWO_STEP_SEPARATOR
+    for row in two_step_rows(max_operand, seed):
+        d, e, prompt = row["extra_info"]["first_step"], row["reward_model"]["ground_truth"], row["prompt"]
+        answer = f"{d}{sep}{e}"
+        kinds = {"first": (f"{d}{sep}", [f"{x}{sep}" for x in WRONG_ANSWERS if x != d]),
+                 "final": (answer, [f"{d}{sep}{y}" for y in WRONG_ANSWERS if y != e]),
+                 "process": (answer, [f"{x}{sep}{e}" for x in WRONG_ANSWERS if x != d])}
+        for chosen, rejected in kinds.values():
+            rng.shuffle(rejected)
+            for i, r in enumerate(rejected):
+                (held_out if i < held_out_per_kind else train).append(
+                    {"prompt": prompt, "chosen": chosen, "rejected": r})
+        drawn = []
+        while len(drawn) < held_out_per_kind + random_rejected:
+            r = "".join(rng.choice(WRONG_ANSWERS) for _ in range(3))
+            if r[1:] != f"{sep}{e}" and r not in drawn:
+                drawn.append(r)
+        for i, r in enumerate(drawn):
+            (held_out if i < held_out_per_kind else train).append({"prompt": prompt, "chosen": answer, "rejected": r})
+    rng.shuffle(train)
+    return train, held_out
+
+
+def make_two_step_pairs(out_dir: str, max_operand: int = 2) -> tuple[str, str]:
+    """Writes ``prm_pairs_train.parquet`` and ``prm_pairs_validation.parquet`` (``two_step_pairs``)
+    into ``out_dir`` (kept if both exist). Returns their paths."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    os.makedirs(out_dir, exist_ok=True)
+    paths = os.path.join(out_dir, "prm_pairs_train.parquet"), os.path.join(out_dir, "prm_pairs_validation.parquet")
+    if not all(os.path.exists(p) for p in paths):
+        for rows, path in zip(two_step_pairs(max_operand), paths):
+            pq.write_table(pa.Table.from_pylist(rows), path + ".part")
+            os.replace(path + ".part", path)
+    return paths
