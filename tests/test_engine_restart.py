@@ -132,8 +132,9 @@ def killed_run(tiny_assets, tmp_path_factory):
     def kill_a_megatron_rank(trainer):
         assert trainer.actor.tp == 2
         ray.kill(trainer.actor.workers[1], no_restart=True)
+        rows = cfg.actor.micro_batch_size  # the group refuses a batch of part of a micro-batch before it starts
         try:
-            trainer.actor.forward(Batch(input_ids=torch.randint(0, 10, (2, 6))), temperature=1.0)
+            trainer.actor.forward(Batch(input_ids=torch.randint(0, 10, (rows, 6))), temperature=1.0)
         except RankDied as err:
             raised["error"] = err
 
