@@ -1,4 +1,10 @@
-"""Shared fixtures: a local Ray cluster with logical GPUs and named pools, one per test module."""
+"""Shared fixtures: a local Ray cluster with logical GPUs and named pools, one per test module; the
+tiny model and data; and the `rlx train` runs whose results several modules assert on (each run once
+per session: every e2e start-up saved is half a minute of the suite)."""
+import os
+import subprocess
+import sys
+
 import pytest
 
 from rlcore.placement import ResourcePools, start_ray
@@ -39,10 +45,61 @@ def llama_tied(tmp_path_factory):
     return make_tiny_model(str(tmp_path_factory.mktemp("llama-tied")), arch="llama", tie_word_embeddings=True)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory):
-    """(model, data): the quickstart's tiny Qwen2 and its addition parquet, built for one module."""
+    """(model, data): the quickstart's tiny Qwen2 and its addition parquet, built once (tests only read
+    them; a test that needs a damaged or changed model copies it first)."""
     from launch.assets import make_addition_data, make_tiny_model
 
     root = tmp_path_factory.mktemp("tiny-assets")
     return make_tiny_model(str(root / "model")), make_addition_data(str(root / "data"))
+
+
+@pytest.fixture(scope="session")
+def reference_run(tiny_assets, tmp_path_factory):
+    """The small quickstart (tests/runs.py: 8 prompts x 8 samples, 4 steps of 2 optimizer steps under a
+    warm-up + cosine lr, actor TP2 PP1), uninterrupted, saving every step and keeping the last 2
+    checkpoints: what the SIGKILLed and resumed run (test_checkpoint.py), the SIGTERMed and rerun one
+    (test_preemption.py) and the requeued Slurm job (test_slurm.py, steps 1-3) must equal, whose lrs
+    test_lr_schedule.py checks, and the checkpoints test_checkpoint.py resumes under TP1 PP2 and
+    exports. Its processes are watched while it runs: a run that finished must leave none
+    (test_preemption.py asserts ``left``). A ``tests.runs.WatchedRun``."""
+    from tests.procs import ProcessWatch
+    from tests.runs import REPO, WatchedRun, small_quickstart_cmd
+
+    model, data = tiny_assets
+    root = tmp_path_factory.mktemp("reference")
+    run_dir, log = root / "run", root / "run.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(small_quickstart_cmd(model, data, run_dir, "trainer.save_every=1",
+                                                     "trainer.keep_last=2"),
+                                cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    watch = ProcessWatch(proc.pid)
+    try:
+        code = proc.wait(timeout=900)
+    finally:
+        watch.stop()
+    assert code == 0, log.read_text()[-6000:]
+    return WatchedRun(run_dir, log, any("raylet" in cmd for _, cmd in watch.seen.values()),
+                      watch.wait_until_none_left(30))
+
+
+@pytest.fixture(scope="session")
+def tracked_short_run(tiny_assets, tmp_path_factory):
+    """One short `rlx train` of the quickstart (2 steps, 4 prompts x 4 samples) with every tracker on:
+    an offline W&B run and an MLflow file store (the logger opts in to it itself). Its console and
+    run_dir/logs/ are tests/test_console.py's, what the trackers hold tests/test_metrics.py's:
+    (run_dir, the finished ``subprocess.CompletedProcess``)."""
+    from tests.runs import QUICKSTART, REPO
+
+    model, data = tiny_assets
+    run_dir = tmp_path_factory.mktemp("tracked") / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "MLFLOW_ALLOW_FILE_STORE")}
+    env["WANDB_MODE"] = "offline"
+    cmd = [sys.executable, "-m", "launch.cli", "train", QUICKSTART, f"model.path={model}",
+           f"data.train_files=[{data}]", f"data.val_files=[{data}]", f"trainer.run_dir={run_dir}",
+           "trainer.val_every=0", "trainer.total_steps=2", "data.batch_size=4", "rollout.n=4",
+           "actor.micro_batch_size=8", "trainer.logger=[console,jsonl,wandb,mlflow]", "trainer.project_name=rlx-e2e"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return run_dir, proc

@@ -93,3 +93,17 @@ def _zombie(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+GRACE_S = 30  # Ray's agents notice a dead raylet within seconds; the reaper's own grace is 5 s
+
+
+def assert_none_left(watch: ProcessWatch, output: str) -> None:
+    """After the run ended: the watch stops; the run's Ray processes carried its marker and the watch
+    saw its raylet; within GRACE_S none of its processes is still alive. ``output``: the run's, for
+    the failure message."""
+    watch.stop()
+    assert watch.markers, "the run's Ray processes carry no marker:\n" + output[-3000:]
+    assert any("raylet" in cmd for _, cmd in watch.seen.values()), "the watch never saw the run's Ray"
+    left = watch.wait_until_none_left(GRACE_S)
+    assert left == [], f"{len(left)} process(es) of the run still alive {GRACE_S} s after it ended: {left}"

@@ -1,13 +1,24 @@
 """`rlx train` as a user runs it, for the e2e tests: a subprocess on a job spec with the tiny model
-and data, its metrics.jsonl read back."""
+and data, its metrics.jsonl read back; and the small quickstart that interrupted runs are compared with."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICKSTART = "yaml_configs/quickstart_cpu.yaml"
+# The small quickstart run (8 prompts x 8 samples, 4 steps, no validation) that the checkpoint,
+# preemption and Slurm tests interrupt and compare with one uninterrupted run (conftest.py reference_run):
+# 2 optimizer steps a step (mini-batches of 4 prompts) under a warm-up + cosine lr schedule, so that
+# every resume must continue the optimizer and the schedule exactly (tests/test_lr_schedule.py reads its
+# lrs). lr_decay_steps is the 4-step run's 8, given so that a shorter run has the same lrs.
+SMALL_STEPS = 4
+SMALL_SCHEDULE = ["actor.ppo_mini_batch_size=4", "actor.micro_batch_size=32", "actor.optim.lr_warmup_steps=2",
+                  "actor.optim.lr_decay_style=cosine", "actor.optim.min_lr=1e-4", "actor.optim.lr_decay_steps=8"]
 
 
 def train_cli(spec: str, run_dir, model: str, data: str, *overrides: str) -> list[dict]:
@@ -19,3 +30,33 @@ def train_cli(spec: str, run_dir, model: str, data: str, *overrides: str) -> lis
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def small_quickstart(model: str, data: str, run_dir, *extra: str, steps: int = SMALL_STEPS) -> list[str]:
+    """The overrides of the small quickstart run (its steps, then ``extra``)."""
+    return [f"model.path={model}", f"data.train_files=[{data}]", "data.val_files=[]", "data.batch_size=8",
+            "rollout.n=8", f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}", "trainer.val_every=0",
+            "trainer.logger=[console,jsonl]", *SMALL_SCHEDULE, *extra]
+
+
+def small_quickstart_cmd(model: str, data: str, run_dir, *extra: str, steps: int = SMALL_STEPS) -> list[str]:
+    return [sys.executable, "-m", "launch.cli", "train", QUICKSTART,
+            *small_quickstart(model, data, run_dir, *extra, steps=steps)]
+
+
+def step_metrics(run_dir) -> dict[int, dict]:
+    """metrics.jsonl by step, without the timings (they differ from run to run); no step twice."""
+    rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows]
+    assert len(steps) == len(set(steps)), f"a step is logged twice: {steps}"
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith("timing/")} for r in rows}
+
+
+@dataclass
+class WatchedRun:
+    """A finished `rlx train` whose processes were watched (tests/procs.py): where it ran, its output,
+    whether the watch saw its Ray, and which of its processes were still alive 30 s after it ended."""
+    run_dir: Path
+    log: Path
+    saw_raylet: bool
+    left: list[tuple[int, str]]

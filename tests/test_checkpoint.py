@@ -1,8 +1,9 @@
 """Checkpoints: atomic folders, `latest`, keep_last, validation and fallback (fast, no Ray); then on the
-real stack: SIGKILL mid-step + resume=auto reproduces the uninterrupted run, a TP2PP1 checkpoint
-resumes under TP1PP2, and `rlx export` gives a HuggingFace folder that transformers loads with the
-trainer's log-probs. The TP1PP2 resume runs in this process (Trainer.fit, what `rlx train` runs) so
-that the export test reuses its actor group instead of starting Ray and another group."""
+real stack: SIGKILL mid-step + resume=auto reproduces the uninterrupted run (the session's
+reference_run, tests/conftest.py) and leaves no process behind, a TP2PP1 checkpoint resumes under
+TP1PP2, and `rlx export` gives a HuggingFace folder that transformers loads with the trainer's
+log-probs. The TP1PP2 resume runs in this process (Trainer.fit, what `rlx train` runs) so that the
+export test reuses its actor group instead of starting Ray and another group."""
 from __future__ import annotations
 
 import json
@@ -18,6 +19,8 @@ import torch
 
 from rlcore.checkpoint import (LATEST, MANIFEST, TMP_PREFIX, CheckpointError, find_resume_checkpoint,
                                list_checkpoints, save_checkpoint, trim_metrics, verify_checkpoint)
+from tests.procs import ProcessWatch, assert_none_left
+from tests.runs import QUICKSTART as SPEC, SMALL_STEPS, small_quickstart, small_quickstart_cmd, step_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -105,30 +108,8 @@ def test_bad_resume_and_save_keys_are_config_errors():
 
 
 # --------------------------------------------------------------------------- real stack (e2e)
-STEPS = 4
-TIMING = "timing/"
-
-
-SPEC = "yaml_configs/quickstart_cpu.yaml"
+STEPS = SMALL_STEPS
 MLFLOW = "trainer.logger=[console,jsonl,mlflow]"  # the resumed run must continue the same MLflow run
-
-
-def _overrides(model, data, run_dir, *extra) -> list[str]:
-    # The quickstart, smaller: 8 prompts x 8 samples per step, no validation.
-    return [f"model.path={model}", f"data.train_files=[{data}]", "data.val_files=[]", "data.batch_size=8",
-            "rollout.n=8", f"trainer.run_dir={run_dir}", f"trainer.total_steps={STEPS}", "trainer.val_every=0",
-            "trainer.logger=[console,jsonl]", *extra]
-
-
-def _train_cmd(model, data, run_dir, *extra):
-    return [sys.executable, "-m", "launch.cli", "train", SPEC, *_overrides(model, data, run_dir, *extra)]
-
-
-def _metrics(run_dir) -> dict[int, dict]:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r["step"] for r in rows]
-    assert len(steps) == len(set(steps)), f"a step is logged twice: {steps}"
-    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows}
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -136,63 +117,52 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(abs(a[k] - b[k]) for k in a)
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    from launch.assets import make_addition_data, make_tiny_model
-
-    root = tmp_path_factory.mktemp("ckpt-assets")
-    return make_tiny_model(str(root / "model")), make_addition_data(str(root / "data"))
-
-
-@pytest.fixture(scope="module")
-def reference_run(assets, tmp_path_factory):
-    """The uninterrupted run (actor TP2 PP1), saving every step and keeping the last 2 checkpoints."""
-    model, data = assets
-    run_dir = tmp_path_factory.mktemp("reference") / "run"
-    proc = subprocess.run(_train_cmd(model, data, run_dir, "trainer.save_every=1", "trainer.keep_last=2"),
-                          cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return run_dir
-
-
 @pytest.mark.e2e
-def test_sigkill_mid_step_then_resume_auto_reproduces_the_run(assets, reference_run, tmp_path, monkeypatch):
-    """SIGKILL during step 3 (checkpoint of step 2 complete), then `rlx train` again with the default
-    resume=auto: steps 3-4 equal the uninterrupted run's EXACTLY (every non-timing metric, max |diff|
+def test_sigkill_mid_step_then_resume_auto_reproduces_the_run(tiny_assets, reference_run, tmp_path, monkeypatch):
+    """SIGKILL of the driver alone during step 3 (checkpoint of step 2 complete, so megatron's checkpoint
+    writer ran in every rank), then `rlx train` again with the default resume=auto: steps 3-4 equal the
+    uninterrupted run's (tests/conftest.py reference_run) EXACTLY (every non-timing metric, max |diff|
     == 0). Why exact: the restored state is bitwise the saved one (model, Adam moments and step, lr
     scheduler, dataloader position, RNG states, weight version), the engine gets the restored weights
     by the same weight sync, vLLM's sampling is seeded per step (seed * 100003 + step), and Megatron
-    on CPU fp32 with gloo is deterministic for a fixed layout."""
-    model, data = assets
+    on CPU fp32 with gloo is deterministic for a fixed layout.
+
+    And no process outlives the killed driver: no exit handler of it runs, Ray's processes lose their
+    parent, the reaper (rlcore/reaper.py) ends what is left (tests/test_processes.py has the rest)."""
+    model, data = tiny_assets
     run_dir = tmp_path / "run"
     latest = run_dir / "checkpoints" / LATEST
     log = tmp_path / "killed_run.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(_train_cmd(model, data, run_dir, "trainer.save_every=1", MLFLOW), cwd=REPO,
+        proc = subprocess.Popen(small_quickstart_cmd(model, data, run_dir, "trainer.save_every=1", MLFLOW), cwd=REPO,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    watch = ProcessWatch(proc.pid)
     try:
         deadline = time.monotonic() + 600
         while not (latest.exists() and latest.read_text().strip() == "step_00000002"):
             assert proc.poll() is None, "the run ended before its step-2 checkpoint:\n" + log.read_text()[-4000:]
             assert time.monotonic() < deadline, "no step-2 checkpoint within 10 minutes"
             time.sleep(0.05)
-        os.kill(proc.pid, signal.SIGKILL)  # the driver, in step 3
-        proc.wait()
+        os.kill(proc.pid, signal.SIGKILL)  # the driver alone, in step 3: as when it is OOM-killed
+        assert proc.wait() == -signal.SIGKILL
+        assert_none_left(watch, log.read_text())
     finally:
-        try:  # the Ray processes it started (its session): as when a node dies
+        try:  # only if the reaper failed: whatever of its session is left, before the resume
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    assert max(_metrics(run_dir)) <= 3, "killed after step 3 ended"
+    assert max(step_metrics(run_dir)) <= 3, "killed after step 3 ended"
 
-    resumed = subprocess.run(_train_cmd(model, data, run_dir, MLFLOW), cwd=REPO, capture_output=True, text=True,
-                             timeout=900)
+    resumed = subprocess.run(small_quickstart_cmd(model, data, run_dir, MLFLOW), cwd=REPO, capture_output=True,
+                             text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-6000:]
     assert "checkpoint: resumed from" in resumed.stdout and "step_00000002" in resumed.stdout
-    got, want = _metrics(run_dir), _metrics(reference_run)
+    got, want = step_metrics(run_dir), step_metrics(reference_run.run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
         assert _max_diff(got[step], want[step]) == 0.0, (step, got[step], want[step])
+    # actor/lr among them: the warm-up + cosine schedule (tests/runs.py) continues exactly after the resume.
+    assert len({got[step]["actor/lr"] for step in got}) == STEPS
     # The MLflow run continues across the kill: one run, each step once, metrics.jsonl's values.
     from mlflow.tracking import MlflowClient
 
@@ -206,7 +176,7 @@ def test_sigkill_mid_step_then_resume_auto_reproduces_the_run(assets, reference_
 
 
 @pytest.fixture(scope="module")
-def tp1pp2_resumed(assets, reference_run, tmp_path_factory):
+def tp1pp2_resumed(tiny_assets, reference_run, tmp_path_factory):
     """The step-3 checkpoint of the TP2 PP1 run resumed with actor TP1 PP2 and trained to step 4, in
     this process (what `rlx train` runs: Trainer.fit), so that the export test can use its actor
     group too: (the trainer, its run_dir, what it printed)."""
@@ -219,10 +189,10 @@ def tp1pp2_resumed(assets, reference_run, tmp_path_factory):
     from rlcore.job import load_job
     from rlcore.validate import validate
 
-    model, data = assets
-    ckpt = reference_run / "checkpoints" / "step_00000003"
+    model, data = tiny_assets
+    ckpt = reference_run.run_dir / "checkpoints" / "step_00000003"
     run_dir = tmp_path_factory.mktemp("tp1pp2") / "run"
-    cfg = load_job(SPEC, _overrides(model, data, run_dir, "actor.tp=1", "actor.pp=2", f"trainer.resume={ckpt}"))
+    cfg = load_job(SPEC, small_quickstart(model, data, run_dir, "actor.tp=1", "actor.pp=2", f"trainer.resume={ckpt}"))
     printed = io.StringIO()
     trainer = None
     try:
@@ -244,15 +214,16 @@ def test_tp2_checkpoint_resumes_under_tp1_pp2(reference_run, tp1pp2_resumed):
     _, run_dir, printed = tp1pp2_resumed
     assert "actor.tp: 2 -> 1" in printed and "actor.pp: 1 -> 2" in printed, printed[-3000:]
     assert "checkpoint: resumed from" in printed and "step_00000003" in printed
-    assert sorted(_metrics(run_dir)) == [STEPS]
-    got, want = _metrics(run_dir)[STEPS], _metrics(reference_run)[STEPS]
+    assert sorted(step_metrics(run_dir)) == [STEPS]
+    got, want = step_metrics(run_dir)[STEPS], step_metrics(reference_run.run_dir)[STEPS]
     assert got["reward/mean"] == want["reward/mean"]
+    assert got["actor/lr"] == want["actor/lr"]  # the lr schedule continues across the layout change
     for key in ("actor/pg_loss", "actor/loss", "actor/ppo_kl", "actor/kl_ref", "actor/entropy",
                 "actor/grad_norm"):
         if key in want:
             assert abs(got[key] - want[key]) <= 1e-5, (key, got[key], want[key])
     # keep_last=2 kept steps 3 and 4 of the reference run.
-    assert [s for s, _ in list_checkpoints(str(reference_run / "checkpoints"))] == [4, 3]
+    assert [s for s, _ in list_checkpoints(str(reference_run.run_dir / "checkpoints"))] == [4, 3]
 
 
 @pytest.mark.e2e
@@ -266,7 +237,7 @@ def test_export_to_hf_matches_the_trainer_logprobs(reference_run, tp1pp2_resumed
     from launch.cli import main as rlx
     from rlcore.batch import Batch
 
-    ckpt = reference_run / "checkpoints"  # a checkpoint_dir: its latest
+    ckpt = reference_run.run_dir / "checkpoints"  # a checkpoint_dir: its latest
     out = tmp_path / "hf"
     proc = subprocess.run([sys.executable, "-m", "launch.cli", "export", str(ckpt), "--to", "hf", str(out),
                            "--max-shard-size", "1MB"], cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -278,7 +249,7 @@ def test_export_to_hf_matches_the_trainer_logprobs(reference_run, tp1pp2_resumed
     hf = AutoModelForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32).eval()
 
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(4, 16, (64, 10), generator=g)  # 64 rows: the actor's micro-batch (PP2 needs whole ones)
+    ids = torch.randint(4, 16, (64, 10), generator=g)  # 64 rows: two of the actor's micro-batches (PP2 needs whole ones)
     with torch.no_grad():
         logits = hf(ids).logits.float()
     hf_lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]

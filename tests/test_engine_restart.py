@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.runs import step_metrics
+
 SPEC = "yaml_configs/quickstart_cpu.yaml"
 
 
@@ -81,9 +83,10 @@ def _fit_with_engine_killed_before_second_generation(cfg, layout):
         ray.shutdown()
     return err
 
-def _train(cfg, layout, kills=()) -> tuple[list[dict], list[int], list[int]]:
+def _train(cfg, layout, kills=(), then=None) -> tuple[list[dict], list[int], list[int]]:
     """Trains ``cfg`` to the end with engine 0 SIGKILLed before each (pool method, call number) of
-    ``kills``; returns its metrics lines, the killed pids and the engines' pids at the end."""
+    ``kills``, then calls ``then(trainer)`` (if given) before the shut-down; returns its metrics lines,
+    the killed pids and the engines' pids at the end."""
     import ray
 
     from launch.compose import build_trainer
@@ -95,6 +98,8 @@ def _train(cfg, layout, kills=()) -> tuple[list[dict], list[int], list[int]]:
             _kill_engine_before(trainer.rollout, method, call, killed)
         trainer.fit()
         pids_after = trainer.rollout.pids()
+        if then is not None:
+            then(trainer)
     finally:
         if trainer is not None:
             trainer.shutdown()
@@ -102,16 +107,47 @@ def _train(cfg, layout, kills=()) -> tuple[list[dict], list[int], list[int]]:
     return _metrics(cfg.trainer.run_dir), killed, pids_after
 
 
-@pytest.mark.e2e
-def test_a_killed_engine_is_restarted_and_every_step_completes(tiny_assets, tmp_path):
+@pytest.fixture(scope="module")
+def killed_run(tiny_assets, tmp_path_factory):
+    """The small quickstart of tests/runs.py for 3 steps, engine 0 SIGKILLed before step 2's generation
+    and again before step 2's sync; after its last step, its TP2 actor group's Megatron rank 1 is
+    ``ray.kill``ed and the group asked for a forward. (metrics lines, killed pids, the engines' pids at
+    the end, the RankDied the forward raised or None): one start-up for both tests."""
+    import ray
+    import torch
+
+    from rlcore.batch import Batch
+    from rlcore.faults import RankDied
+    from rlcore.job import load_job
+    from rlcore.validate import validate
+    from tests.runs import small_quickstart
+
     model, data = tiny_assets
+    run_dir = tmp_path_factory.mktemp("killed") / "run"
     # A short sync timeout: the death during a sync leaves the senders waiting for the dead peer
     # until their collectives time out.
-    steps = ("trainer.total_steps=3", "rollout.sync_timeout_s=20")
+    cfg = load_job(SPEC, small_quickstart(model, data, run_dir, "rollout.sync_timeout_s=10", steps=3))
+    raised = {}
+
+    def kill_a_megatron_rank(trainer):
+        assert trainer.actor.tp == 2
+        ray.kill(trainer.actor.workers[1], no_restart=True)
+        rows = cfg.actor.micro_batch_size  # the group refuses a batch of part of a micro-batch before it starts
+        try:
+            trainer.actor.forward(Batch(input_ids=torch.randint(0, 10, (rows, 6))), temperature=1.0)
+        except RankDied as err:
+            raised["error"] = err
+
     # generate: call 1 is step 1's, call 2 step 2's. receive_weights: 1 is step 1's sync, 2 the
     # restart's re-sync (version 1 again), 3 step 2's sync.
-    lines, killed, pids_after = _train(*_job(model, data, tmp_path / "killed", *steps),
-                                       kills=[("generate", 2), ("receive_weights", 3)])
+    lines, killed, pids_after = _train(cfg, validate(cfg), kills=[("generate", 2), ("receive_weights", 3)],
+                                       then=kill_a_megatron_rank)
+    return lines, killed, pids_after, raised.get("error")
+
+
+@pytest.mark.e2e
+def test_a_killed_engine_is_restarted_and_every_step_completes(killed_run, reference_run):
+    lines, killed, pids_after, _ = killed_run
     assert len(killed) == 2 and killed[0] != killed[1] and pids_after[0] not in killed
     assert [x["step"] for x in lines] == [1, 2, 3]
     assert [x["rollout/engine_restarts"] for x in lines] == [0.0, 2.0, 2.0]  # both in step 2
@@ -123,8 +159,9 @@ def test_a_killed_engine_is_restarted_and_every_step_completes(tiny_assets, tmp_
         assert x["rollout/logprob_diff_max"] < 1e-3, (x["step"], x["rollout/logprob_diff_max"])
 
     # The redone generation drew the samples the step would have drawn anyway (same prompts, seeds and
-    # weights): the run's metrics are the uninterrupted run's.
-    uninterrupted, _, _ = _train(*_job(model, data, tmp_path / "uninterrupted", *steps))
+    # weights): the run's metrics are the uninterrupted run's (the session's reference run, the same
+    # small quickstart: tests/conftest.py; its steps 1-3).
+    uninterrupted = [m for step, m in sorted(step_metrics(reference_run.run_dir).items()) if step <= 3]
     assert [x["step"] for x in uninterrupted] == [1, 2, 3]
     for got, want in zip(lines, uninterrupted):
         for key in want:
@@ -161,7 +198,7 @@ def test_an_engine_dying_in_a_generation_ahead_is_refused_with_one_sentence(tiny
     model, data = tiny_assets
     run_dir = tmp_path / "run"
     cfg, layout = _job(model, data, run_dir, "trainer.total_steps=3", "trainer.off_policy_steps=1",
-                       "rollout.sync_timeout_s=20")
+                       "rollout.sync_timeout_s=10")
     err = _fit_with_engine_killed_before_second_generation(cfg, layout)
     assert str(err.value) == (
         "rollout engine 0 died during generation ahead of its step (its process exited) while the actor trained "
@@ -173,26 +210,13 @@ def test_an_engine_dying_in_a_generation_ahead_is_refused_with_one_sentence(tiny
 
 
 @pytest.mark.e2e
-def test_a_killed_megatron_rank_is_one_sentence_naming_role_and_rank(ray_pools, qwen2_untied):
-    import ray
-    import torch
-
-    from megatron_workers import MegatronGroup
-    from rlcore.batch import Batch
+def test_a_killed_megatron_rank_is_one_sentence_naming_role_and_rank(killed_run):
+    """Rank 1 of the killed-engine run's TP2 actor group, ``ray.kill``ed after its last step."""
     from rlcore.faults import RankDied
-    from rlcore.roles import RoleSpec
 
-    pools = ray_pools({"actor": 2}, {"actor": "actor"})
-    group = MegatronGroup(RoleSpec("actor", qwen2_untied, tp=2, pp=1, dp=1, micro_batch_size=2, profile="cpu",
-                                   dtype="float32", seed=0), pools.placement("actor"))
-    try:
-        ray.kill(group.workers[1], no_restart=True)
-        batch = Batch(input_ids=torch.randint(0, 10, (2, 6)))
-        with pytest.raises(RankDied) as err:
-            group.forward(batch, temperature=1.0)
-    finally:
-        group.shutdown()
-    message = str(err.value)
+    err = killed_run[3]
+    assert isinstance(err, RankDied), err
+    message = str(err)
     assert message == ("the actor's Megatron rank 1 died during forward; the run stops here and the last checkpoint "
                        "is intact (nothing was written after the death)"), message
 

@@ -186,20 +186,16 @@ def test_for_job_passes_the_spec_names_and_modes(tmp_path, mlflow_env):
 
 
 @pytest.mark.e2e
-def test_quickstart_run_writes_wandb_mlflow_and_the_report(tmp_path, tiny_assets, monkeypatch):
-    """One tiny `rlx train` with every tracker: the offline W&B run and the MLflow file store hold
-    each step's metrics as metrics.jsonl does, the spec is their config, and report.png is written."""
+def test_quickstart_run_writes_wandb_mlflow_and_the_report(tracked_short_run, monkeypatch):
+    """One tiny `rlx train` with every tracker (tests/conftest.py: its console is test_console.py's):
+    the offline W&B run and the MLflow file store hold each step's metrics as metrics.jsonl does, the
+    spec is their config, and report.png is written."""
     from mlflow.tracking import MlflowClient
 
-    from tests.runs import train_cli
-
-    monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # for this process's reader; the run sets its own
-    run_dir = tmp_path / "run"
-    lines = train_cli("yaml_configs/quickstart_cpu.yaml", run_dir, *tiny_assets, "trainer.total_steps=2",
-                      "data.batch_size=4", "rollout.n=4", "actor.micro_batch_size=8",
-                      "trainer.logger=[console,jsonl,wandb,mlflow]", "trainer.project_name=rlx-e2e")
+    run_dir, _ = tracked_short_run
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2]
     assert not (run_dir / "tensorboard").exists()  # not listed
 

@@ -4,21 +4,16 @@ rerun resumes with resume=auto and its per-step metrics equal an uninterrupted r
 the loop's stopping first without Ray, then `rlx train` for real."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
 from rlcore.preemption import REQUEUE_EXIT_STATUS, Preempted, StopOnSignal
 from tests.procs import ProcessWatch
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SPEC = "yaml_configs/quickstart_cpu.yaml"
-STEPS = 4
+from tests.runs import REPO, SMALL_STEPS as STEPS, small_quickstart_cmd, step_metrics
 
 
 # ------------------------------------------------------------------------------- the handler (no Ray)
@@ -59,37 +54,20 @@ def test_no_signal_restores_the_handlers_and_step_0_is_not_saved():
 
 
 # --------------------------------------------------------------------------------- rlx train (e2e)
-def _cmd(model, data, run_dir, *extra):
-    # The quickstart, smaller, with no periodic checkpoints: the one a signal asks for is the only one.
-    return [sys.executable, "-m", "launch.cli", "train", SPEC, f"model.path={model}", f"data.train_files=[{data}]",
-            "data.val_files=[]", "data.batch_size=8", "rollout.n=8", f"trainer.run_dir={run_dir}",
-            f"trainer.total_steps={STEPS}", "trainer.val_every=0", "trainer.logger=[console,jsonl]", *extra]
-
-
-def _metrics(run_dir) -> dict[int, dict]:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r["step"] for r in rows]
-    assert len(steps) == len(set(steps)), f"a step is logged twice: {steps}"
-    return {r["step"]: {k: v for k, v in r.items() if not k.startswith("timing/")} for r in rows}
-
-
 @pytest.mark.e2e
-def test_sigterm_saves_exits_75_and_the_rerun_equals_an_uninterrupted_run(tiny_assets, tmp_path):
+def test_sigterm_saves_exits_75_and_the_rerun_equals_an_uninterrupted_run(tiny_assets, reference_run, tmp_path):
+    """The small quickstart (tests/runs.py) with no periodic checkpoints, SIGTERMed twice after step 1:
+    the one checkpoint is the one the signal asks for; the rerun equals the uninterrupted run
+    (tests/conftest.py reference_run). Neither the stopped run nor the finished one leaves a process."""
     model, data = tiny_assets
-    reference = tmp_path / "reference"
-    with open(tmp_path / "reference.log", "w") as out:
-        proc = subprocess.Popen(_cmd(model, data, reference), cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
-    watch = ProcessWatch(proc.pid)
-    assert proc.wait(timeout=900) == 0, (tmp_path / "reference.log").read_text()[-6000:]
-    assert not (reference / "checkpoints").exists()  # save_every=0: nothing saved without a signal
-    watch.stop()
-    assert any("raylet" in cmd for _, cmd in watch.seen.values()), "the watch never saw the run's Ray"
-    assert watch.wait_until_none_left(30) == []  # a run that finished leaves no process
+    assert reference_run.saw_raylet, "the watch never saw the reference run's Ray"
+    assert reference_run.left == []  # a run that finished leaves no process
 
     run_dir = tmp_path / "run"
     log = tmp_path / "stopped.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(_cmd(model, data, run_dir), cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(small_quickstart_cmd(model, data, run_dir), cwd=REPO, stdout=out,
+                                stderr=subprocess.STDOUT)
     watch = ProcessWatch(proc.pid)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 600
@@ -102,18 +80,23 @@ def test_sigterm_saves_exits_75_and_the_rerun_equals_an_uninterrupted_run(tiny_a
     proc.send_signal(signal.SIGTERM)  # again, while it finishes the step or saves
     assert proc.wait(timeout=600) == REQUEUE_EXIT_STATUS, log.read_text()[-4000:]
     text = log.read_text()
-    done = max(_metrics(run_dir))
+    done = max(step_metrics(run_dir))
     assert 1 <= done < STEPS, text[-3000:]
     assert f"stopped by SIGTERM after step {done} of {STEPS} with checkpoint" in text
     assert "received again while stopping: ignored" in text
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{done:08d}"
+    # trainer.save_every=0: nothing was saved before the signal (a finished run saves nothing at all:
+    # tests/test_console.py).
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_")) == \
+        [f"step_{done:08d}"]
     watch.stop()
     assert watch.wait_until_none_left(30) == []  # the stopped run leaves no process
 
-    resumed = subprocess.run(_cmd(model, data, run_dir), cwd=REPO, capture_output=True, text=True, timeout=900)
+    resumed = subprocess.run(small_quickstart_cmd(model, data, run_dir), cwd=REPO, capture_output=True, text=True,
+                             timeout=900)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-6000:]
     assert f"checkpoint: resumed from {run_dir / 'checkpoints' / f'step_{done:08d}'}" in resumed.stdout
-    got, want = _metrics(run_dir), _metrics(reference)
+    got, want = step_metrics(run_dir), step_metrics(reference_run.run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
         assert got[step] == want[step], (step, got[step], want[step])

@@ -4,7 +4,9 @@ Megatron) broadcast a SECOND random model's HF state dict in small buckets; afte
 must compute exactly that model (transformers forward, fp32), for an untied Qwen2 (two engines: a
 group of 3), a tied-embedding one over two stage groups (the stale lm_head trap) and one engine with
 vLLM TP 2 over two stage groups, without serving stale prefix-cache KV; the checksum check passes,
-and catches a bucket corrupted on the wire."""
+and catches a bucket corrupted on the wire. Last, end to end with the sending side real too: a
+Megatron PP2 actor with tied embeddings, updated, synced into the tied engine (on this module's
+cluster, so that it starts no Ray and no engine of its own)."""
 from __future__ import annotations
 
 import re
@@ -33,8 +35,8 @@ CASES = {"untied": dict(tied=False, engines=2, tp=1, stages=1, seeds=(21, 22)),
 
 @pytest.fixture(scope="module")
 def cluster(ray_pools):
-    return ray_pools({"rollout": 2, "rollout_tied": 1, "rollout_tp2": 2},
-                     {"untied": "rollout", "tied": "rollout_tied", "tp2": "rollout_tp2"})
+    return ray_pools({"rollout": 2, "rollout_tied": 1, "rollout_tp2": 2, "actor": 2},
+                     {"untied": "rollout", "tied": "rollout_tied", "tp2": "rollout_tp2", "actor": "actor"})
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +56,7 @@ def setups(cluster, tmp_path_factory):
             pool = RolloutPool(dirs[0], RolloutConfig(engines=c["engines"], tp=c["tp"], kv_cache_gb=0.25,
                                                       cpu_prepack=c.get("cpu_prepack", True)),
                                cluster.placement(case), "cpu", "float32", seed=0)
-            out[case] = dict(pool=pool, hf_a=hf[0], hf_b=hf[1])
+            out[case] = dict(pool=pool, hf_a=hf[0], hf_b=hf[1], dir_a=dirs[0])
         yield out
     finally:
         for s in out.values():
@@ -246,3 +248,60 @@ def test_a_corrupted_bucket_is_caught_by_the_checksum_check(setups):
     with pytest.raises(WeightMismatchError, match=r"rollout engine 0 holds a different "
                                                   rf"{re.escape(target)} "):
         check_engines(sent["checksums"], pool.weight_checksums(), list(sent["checksums"]))
+
+
+@pytest.mark.e2e
+def test_weight_sync_makes_vllm_match_the_trained_tied_pp2_actor(cluster, setups):
+    """A Megatron actor (PP2, tied embeddings: the last stage's lm_head copy must follow the first
+    stage's embedding) from the tied engine's model A, which the engine holds again after the test
+    above; a large real update; after the sync the engine scores as the trained actor does and every
+    HF tensor it holds equals the trainer's."""
+    from megatron_workers import MegatronGroup
+    from rlcore.algos import LossConfig, loss_weights
+    from rlcore.batch import Batch
+    from rlcore.config import OptimConfig
+    from rlcore.roles import RoleSpec
+    from rlcore.weight_sync import connect_weight_sync, sync_weights
+
+    s = setups["tied"]
+    rollout = s["pool"]
+    actor = MegatronGroup(RoleSpec("actor", s["dir_a"], tp=1, pp=2, dp=1, micro_batch_size=4, profile="cpu",
+                                   dtype="float32", seed=0, optim=OptimConfig(lr=0.05, clip_grad=0.0)),
+                          cluster.placement("actor"))
+    try:
+        connect_weight_sync(actor, rollout, 1, bucket_bytes=256 * 1024, wire_dtype="float32")
+        g = torch.Generator().manual_seed(0)
+        input_ids = torch.randint(4, 16, (8, 12), generator=g)
+        response_mask = torch.zeros(8, 12)
+        response_mask[:, 5:] = 1.0
+        batch = Batch(input_ids=input_ids, attention_mask=torch.ones(8, 12, dtype=torch.long),
+                      response_mask=response_mask)
+        seqs = input_ids.tolist()
+        mask = torch.zeros_like(response_mask).bool()
+        mask[:, 1:] = True  # every position that has a prefix
+        every_position = Batch(input_ids=input_ids)  # no response mask: every output is computed
+
+        before = torch.tensor(rollout.prompt_logprobs(seqs))
+        assert (before - actor.forward(every_position)["logprobs"])[mask].abs().max() < 1e-3, "same model must agree"
+
+        # A large step so the new weights are far from the engine's.
+        batch["old_logprobs"] = actor.forward(batch)["logprobs"]
+        batch["advantages"] = torch.randn(input_ids.shape, generator=torch.Generator().manual_seed(1))
+        batch["loss_weights"] = loss_weights(response_mask, "token-mean", norm_length=7)
+        actor.update(batch, LossConfig(kl_coeff=0.0))
+        trained = actor.forward(every_position)["logprobs"]
+        stale = torch.tensor(rollout.prompt_logprobs(seqs))
+        assert (stale - trained)[mask].abs().max() > 1e-2, "the update should move the log-probs"
+
+        sync_weights(actor, rollout, version=7)
+        synced = torch.tensor(rollout.prompt_logprobs(seqs))
+        assert (synced - trained)[mask].abs().max() <= 1e-3
+        # And the weights themselves: every HF tensor the engine holds equals the trainer's.
+        expected = checksum(list(actor.hf_state_dict().items()))
+        (engine_sums,) = rollout.weight_checksums()
+        for name, value in expected.items():
+            assert engine_sums[name] == pytest.approx(value, rel=1e-9, abs=1e-9), name
+        trajs = rollout.generate([seqs[0][:5]], n=2, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=2)
+        assert {t.weight_version for t in trajs} == {7}
+    finally:
+        actor.shutdown()

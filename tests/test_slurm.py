@@ -19,7 +19,6 @@ import time
 
 import pytest
 
-from launch.assets import make_addition_data, make_tiny_model
 from launch.slurm import processes_naming
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,9 +32,10 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("assets")
-    return make_tiny_model(str(root / "model")), make_addition_data(str(root / "data"))
+def assets(tiny_assets):
+    """The session's tiny model and data (tests/conftest.py): the requeued job is compared with the
+    session's reference run of them."""
+    return tiny_assets
 
 
 @pytest.fixture(scope="module")
@@ -120,25 +120,23 @@ def test_a_cluster_that_does_not_come_up_in_time_fails_with_a_sentence(slurm, as
 
 @pytest.mark.slurm
 @pytest.mark.e2e
-def test_a_signalled_job_saves_is_requeued_and_equals_an_uninterrupted_run(slurm, assets, tmp_path):
+def test_a_signalled_job_saves_is_requeued_and_equals_an_uninterrupted_run(slurm, assets, reference_run, tmp_path):
     """`rlx submit --requeue --signal=USR1@60`, then `scancel --signal=USR1 --batch` once step 1 is
     logged (what Slurm does 60 s before the time limit, at a moment the test picks): the batch shell
     passes the signal on, rlx train saves its step and exits with 75, the script stops Ray and requeues
     the job, the second start resumes from the checkpoint and finishes; every step's metrics equal an
-    uninterrupted local run's. Slurm makes a requeued job eligible about two minutes after the requeue
-    (not adjustable per job): most of this test's wall time."""
-    from tests.runs import train_cli
+    uninterrupted local run's: the session's reference run (tests/conftest.py: the same small
+    quickstart, for 4 steps; nothing in steps 1-3 depends on total_steps, tests/runs.py fixing the lr
+    schedule's decay_steps). Slurm makes a requeued job eligible a while after the requeue
+    (launch/install_slurm.sh's cred_expire): most of this test's wall time."""
+    from tests.runs import small_quickstart, step_metrics
 
     model, data = assets
-    steps = ["data.batch_size=8", "rollout.n=8", "trainer.total_steps=3", "trainer.logger=[console,jsonl]"]
-    want = {r["step"]: {k: v for k, v in r.items() if not k.startswith("timing/")}
-            for r in train_cli("yaml_configs/quickstart_cpu.yaml", tmp_path / "reference", model, data,
-                               "data.val_files=[]", *steps)}
+    want = step_metrics(reference_run.run_dir)
     log_dir, run_dir = tmp_path / "slurm", tmp_path / "run"
     cmd = [sys.executable, "-m", "launch.cli", "submit", "yaml_configs/quickstart_cpu.yaml", "--nodes", "1", "--wait",
            "--port", str(_free_port()), "--log-dir", str(log_dir), "--requeue", "--signal=USR1@60", "--time=30",
-           f"model.path={model}", f"data.train_files=[{data}]", "data.val_files=[]", "trainer.val_every=0",
-           f"trainer.run_dir={run_dir}", *steps]
+           *small_quickstart(model, data, run_dir, steps=3)]
     submit = subprocess.Popen(cmd, cwd=REPO, env=slurm, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     first = submit.stdout.readline()
     job = re.search(r"submitted Slurm job (\d+)", first)
@@ -167,8 +165,7 @@ def test_a_signalled_job_saves_is_requeued_and_equals_an_uninterrupted_run(slurm
     assert "rlx train exited with status 75" in log and f"requeueing job {job}" in log
     assert f"checkpoint: resumed from {run_dir / 'checkpoints' / f'step_0000000{stopped.group(1)}'}" in log
     assert (log_dir / job / "restart-1").is_dir()  # the second start's own logs
-    got = {r["step"]: {k: v for k, v in r.items() if not k.startswith("timing/")}
-           for r in map(json.loads, metrics.read_text().splitlines())}
+    got = step_metrics(run_dir)
     assert sorted(got) == [1, 2, 3]
     for step in (1, 2, 3):
         assert got[step] == want[step], (step, got[step], want[step])
