@@ -97,9 +97,11 @@ def _plan(args, cfg, layout: JobLayout) -> int:
     print(f"{args.job}: {layout.total_gpus} GPUs on {cfg.resources.nodes} node(s)")
     print(plan.format_plan(estimate, cfg))
     plan.check(estimate, cfg)  # after the table, so a refusal comes with its figures
-    print("fits: every pool is within its GPU memory" if layout.device == "gpu" else
-          "fits: the rollout KV cache holds a full-length sequence (cpu profile: the logical GPUs share the "
-          "host's memory, so resources.gpu_memory_gb is not checked)")
+    if layout.device == "gpu":
+        print("fits: every pool is within its GPU memory")
+    else:
+        print(("fits: the rollout KV cache holds a full-length sequence" if layout.rollout is not None else "fits")
+              + " (cpu profile: the logical GPUs share the host's memory, so resources.gpu_memory_gb is not checked)")
     return 0
 
 
@@ -164,9 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "validate" and not for_another_machine(cfg):
             _check_datasets(cfg)  # `train` reads them anyway, before Ray starts
         if args.command == "plan":
-            if cfg.algorithm.type != "rl":
-                raise ConfigError(f"rlx plan models RL jobs only, not algorithm.type={cfg.algorithm.type} (its memory "
-                                  "model counts rollout samples); `rlx validate` checks this job's layout")
+            if cfg.algorithm.type != "rl" and args.suggest:
+                raise ConfigError(f"rlx plan --suggest ranks RL layouts only (its cost model times rollouts), not "
+                                  f"algorithm.type={cfg.algorithm.type}; `rlx plan` without it gives this job's memory")
             return _plan(args, cfg, layout)
         if args.command == "submit":
             from launch.slurm import submit

@@ -258,14 +258,22 @@ def estimate(cfg, layout: JobLayout, model: Optional[tuple[ModelDims, str]] = No
     """Every role's memory per GPU for the validated ``layout`` of ``cfg``."""
     m, source = model or read_model(cfg)
     seq_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
-    sequences = cfg.data.batch_size * cfg.rollout.n
-    step_sequences, _ = _updates(cfg, cfg.actor)
-    gpu_memory = cfg.resources.gpu_memory_gb * GB
     a = cfg.actor
     prompt, response, n = cfg.data.max_prompt_length, cfg.rollout.max_response_length, cfg.rollout.n
+    score_head = False
+    if cfg.algorithm.type != "rl":  # preference pairs: a chosen and a rejected sequence per prompt
+        from rlcore.preference_losses import PREFERENCE_OBJECTIVES
+
+        n = 2
+        step_sequences = 2 * (a.ppo_mini_batch_size or cfg.data.batch_size)
+        score_head = PREFERENCE_OBJECTIVES.meta(cfg.algorithm.type).head == "score"  # rm: no vocabulary logits
+    else:
+        step_sequences, _ = _updates(cfg, a)
+    sequences = cfg.data.batch_size * n
+    gpu_memory = cfg.resources.gpu_memory_gb * GB
     roles = [_train_role(m, "actor", layout.actor, layout.dtype, layout.device, seq_len, a.micro_batch_size,
                          max(1, step_sequences // (layout.actor.dp * a.micro_batch_size)), True,
-                         a.optim.use_distributed_optimizer,
+                         a.optim.use_distributed_optimizer, value_head=score_head,
                          shape=MicroBatchShape.of(a.micro_batch_size, prompt, response, n, a.shared_prompt))]
     if layout.reference is not None:
         mb = cfg.reference.micro_batch_size or a.micro_batch_size
@@ -286,7 +294,8 @@ def estimate(cfg, layout: JobLayout, model: Optional[tuple[ModelDims, str]] = No
         dims = ModelDims.from_spec(read_hf_config(section.path, key=f"{key}.path")) if os.path.isdir(section.path) else m
         roles.append(_train_role(dims, key, lay, layout.dtype, layout.device, seq_len, section.micro_batch_size, 1,
                                  False, False, value_head=True))
-    roles.append(_rollout_role(m, cfg, layout, gpu_memory, seq_len))
+    if layout.rollout is not None:  # a preference job has engines only for DPO's greedy validation
+        roles.append(_rollout_role(m, cfg, layout, gpu_memory, seq_len))
     return Plan(model=m, source=source, device=layout.device, dtype=layout.dtype, gpu_memory=gpu_memory,
                 roles=roles, seq_len=seq_len, sequences=sequences)
 
@@ -303,8 +312,8 @@ def check(plan: Plan, cfg) -> None:
             if res.gpus_per_node % r.tp:
                 raise PlanError(f"{r.role}.tp={r.tp} does not divide resources.gpus_per_node={res.gpus_per_node}: "
                                 "a tensor-parallel group must sit inside one node")
-    ro = next(r for r in plan.roles if r.role == "rollout")
-    if ro.kv_sequences < 1:
+    ro = next((r for r in plan.roles if r.role == "rollout"), None)
+    if ro is not None and ro.kv_sequences < 1:
         if plan.device == "cpu":
             raise PlanError(f"rollout.kv_cache_gb={cfg.rollout.kv_cache_gb} cannot hold one sequence of "
                             f"{plan.seq_len} tokens (data.max_prompt_length + rollout.max_response_length)")
@@ -316,7 +325,7 @@ def check(plan: Plan, cfg) -> None:
     if plan.device == "cpu":
         return  # logical GPUs share host memory; resources.gpu_memory_gb does not apply
     for pool, total in plan.pool_totals().items():
-        if pool == ro.pool:
+        if ro is not None and pool == ro.pool:
             continue
         if total > TRAIN_MEMORY_SHARE * plan.gpu_memory:
             on_pool = [r for r in plan.roles if r.pool == pool]
@@ -345,8 +354,13 @@ def format_plan(plan: Plan, cfg) -> str:
     m = plan.model
     lines = [f"model: {m.architecture}, {_params(m.total_params())} parameters ({plan.source}); "
              f"{plan.device} profile, {plan.dtype}"]
-    lines.append(f"batch: {cfg.data.batch_size} prompts x {cfg.rollout.n} samples = {plan.sequences} sequences "
-                 f"of up to {cfg.data.max_prompt_length}+{cfg.rollout.max_response_length}={plan.seq_len} tokens")
+    if cfg.algorithm.type != "rl":
+        lines.append(f"batch: {cfg.data.batch_size} pairs x (chosen, rejected) = {plan.sequences} sequences of up to "
+                     f"{cfg.data.max_prompt_length}+{cfg.rollout.max_response_length}={plan.seq_len} tokens "
+                     f"(algorithm.type={cfg.algorithm.type})")
+    else:
+        lines.append(f"batch: {cfg.data.batch_size} prompts x {cfg.rollout.n} samples = {plan.sequences} sequences "
+                     f"of up to {cfg.data.max_prompt_length}+{cfg.rollout.max_response_length}={plan.seq_len} tokens")
     if plan.device == "gpu":
         lines.append(f"GPU memory: {plan.gpu_memory / GB:g} GB (resources.gpu_memory_gb)")
     lines.append("")
@@ -364,10 +378,11 @@ def format_plan(plan: Plan, cfg) -> str:
         on = [r.role for r in plan.roles if r.pool == pool]
         share = f" of {plan.gpu_memory / GB:g} ({total / plan.gpu_memory:.0%})" if plan.device == "gpu" else ""
         lines.append(f"pool {pool!r}: {' + '.join(on)} = {_gb(total)} GB per GPU{share}")
-    ro = next(r for r in plan.roles if r.role == "rollout")
-    demand = math.ceil(plan.sequences / ro.dp)
-    lines.append(f"rollout KV cache: {ro.kv_sequences} sequences of {plan.seq_len} tokens at once per engine "
-                 f"({demand} per engine per step; {ro.notes[0]})")
+    ro = next((r for r in plan.roles if r.role == "rollout"), None)
+    if ro is not None:
+        demand = math.ceil(plan.sequences / ro.dp)
+        lines.append(f"rollout KV cache: {ro.kv_sequences} sequences of {plan.seq_len} tokens at once per engine "
+                     f"({demand} per engine per step; {ro.notes[0]})")
     for r in plan.roles:
         for note in r.notes[(1 if r.role == "rollout" else 0):]:
             lines.append(f"{r.role}: {note}")

@@ -195,6 +195,39 @@ def test_preference_spec_errors_are_one_sentence(tiny_model, tmp_path, overrides
         validate(load_job(spec, overrides))
 
 
+def test_rlx_plan_gives_a_preference_jobs_memory(tiny_model, tmp_path, capsys):
+    """A DPO step holds what an RL update of two samples per prompt holds (a chosen and a rejected
+    row per pair), with the reference beside it and no engines; a reward model trains the score head
+    (a [1, hidden] layer, no vocabulary logits); --suggest, whose cost model times rollouts, refuses."""
+    from launch import plan
+    from launch.cli import main
+    from rlcore.job import load_job
+    from rlcore.validate import validate
+
+    spec = dpo_spec(tmp_path, tiny_model, write_jsonl(tmp_path / "pairs.jsonl", addition_pairs(8)))
+    cfg = load_job(spec, [])
+    dpo = plan.estimate(cfg, validate(cfg))
+    assert [r.role for r in dpo.roles] == ["actor", "reference"] and dpo.sequences == 2 * cfg.data.batch_size
+    rl = load_job(spec, ["algorithm.type=rl", "rollout.n=2", "resources.pools={actor: 1, rollout: 1}"])
+    rl_plan = plan.estimate(rl, validate(rl))
+    assert [r.role for r in rl_plan.roles] == ["actor", "reference", "rollout"]
+    for got, want in zip(dpo.roles, rl_plan.roles):
+        assert (got.params, got.weights, got.grads, got.optimizer, got.activations) == \
+            (want.params, want.weights, want.grads, want.optimizer, want.activations)
+
+    rm = load_job(spec, ["algorithm.type=rm"])
+    (actor,) = plan.estimate(rm, validate(rm)).roles
+    m = dpo.model
+    assert actor.params == m.stage_params(1, 1, 0, value_head=True) < dpo.roles[0].params
+    assert actor.activations < dpo.roles[0].activations  # no fp32 vocabulary logits
+
+    assert main(["plan", spec]) == 0
+    out = capsys.readouterr().out
+    assert "batch: 4 pairs x (chosen, rejected) = 8 sequences" in out and "rollout" not in out.split("batch:")[1]
+    assert main(["plan", "--suggest", spec]) == 2
+    assert "rlx plan --suggest ranks RL layouts only" in capsys.readouterr().err
+
+
 # -------------------------------------------------------------------------- layouts (real engines)
 DPO_OPTIM = OptimConfig(lr=1e-3, adam_eps=1e-6, clip_grad=1.0)  # as test_megatron_layouts: Adam's first step
 LAYOUT_TOL = 1e-5                                                # must not amplify float noise
