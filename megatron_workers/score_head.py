@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .value_head import ValueHead
+from .value_head import ValueHead, one_label_hf_config
 
 HF_SCORE_WEIGHT = "score.weight"
 
@@ -60,13 +60,7 @@ def seqcls_hf_config(causal_lm_config: dict, pad_token_id: int | None = None) ->
     """The config.json of a reward model, from its base model's *ForCausalLM (or already SeqCls)
     config.json: the *ForSequenceClassification architecture with one label and a pad id (transformers
     finds a row's last token by it)."""
-    archs = causal_lm_config.get("architectures") or []
-    if not archs or not all(a.endswith("ForCausalLM") or a.endswith("ForSequenceClassification") for a in archs):
-        raise ValueError(f"architectures {archs}: expected *ForCausalLM or *ForSequenceClassification")
-    out = dict(causal_lm_config)
-    out["architectures"] = [a.removesuffix("ForCausalLM") + "ForSequenceClassification"
-                            if a.endswith("ForCausalLM") else a for a in archs]
-    out.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    out = one_label_hf_config(causal_lm_config, "ForSequenceClassification")
     if pad_token_id is not None:
         out["pad_token_id"] = pad_token_id
     if out.get("pad_token_id") is None:

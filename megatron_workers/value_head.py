@@ -77,11 +77,15 @@ def critic_hf_config(causal_lm_config: dict) -> dict:
     """The config.json of an exported critic, from its base model's *ForCausalLM config.json: the
     *ForTokenClassification architecture with one label, which transformers and ``read_hf_config``
     both load."""
+    return one_label_hf_config(causal_lm_config, "ForTokenClassification")
+
+
+def one_label_hf_config(causal_lm_config: dict, head: str) -> dict:
+    """A *ForCausalLM (or already *<head>) config.json as the *<head> architecture with one label."""
     archs = causal_lm_config.get("architectures") or []
-    if not archs or not all(a.endswith("ForCausalLM") or a.endswith("ForTokenClassification") for a in archs):
-        raise ValueError(f"architectures {archs}: expected *ForCausalLM or *ForTokenClassification")
+    if not archs or not all(a.endswith("ForCausalLM") or a.endswith(head) for a in archs):
+        raise ValueError(f"architectures {archs}: expected *ForCausalLM or *{head}")
     out = dict(causal_lm_config)
-    out["architectures"] = [a.removesuffix("ForCausalLM") + "ForTokenClassification"
-                            if a.endswith("ForCausalLM") else a for a in archs]
+    out["architectures"] = [a.removesuffix("ForCausalLM") + head if a.endswith("ForCausalLM") else a for a in archs]
     out.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     return out
