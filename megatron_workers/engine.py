@@ -199,7 +199,15 @@ class MegatronEngine:
             for chunk in self.model_chunks:
                 chunk.eval()
             self.forward_chunks = self.model_chunks
-        return self.coords()
+        threads = self.math_threads()
+        print(f"{self.role} rank {self.rank}: {threads} math threads (RoleSpec.threads={self.spec.threads})", flush=True)
+        return {**self.coords(), "math_threads": threads}
+
+    @staticmethod
+    def math_threads() -> int:
+        """The intra-op threads torch runs this rank's math with, as seen by the actor's calls (a Ray
+        actor runs every call on one thread, the one that set them in ``__init__``)."""
+        return torch.get_num_threads()
 
     def _build_optimizer(self) -> None:
         from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
