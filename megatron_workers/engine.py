@@ -165,13 +165,17 @@ class MegatronEngine:
             tensor_parallel.model_parallel_cuda_manual_seed(self.seed)
 
         self.hf = read_hf_config(self.model_path)
+        # Shared-prompt rows bring their own attention mask and rotary positions (packing.py): the
+        # model takes the mask from each forward (model.py explicit_mask).
+        self.explicit_mask = self.spec.shared_prompt
         self.config = transformer_config(self.hf, self.profile, self.dtype, self.tp, self.pp, self.vpp,
-                                         self.spec.pp_layers)
+                                         self.spec.pp_layers, explicit_mask=self.explicit_mask)
         # Unwrapped chunks: their names map to HF. One chunk per virtual stage, in layer order
         # (vp_stage None: no virtual stages). Built in the same order on every rank: a chunk holding a
         # tied embedding all-reduces it at construction.
         vp_stages = list(range(self.vpp)) if self.vpp > 1 else [None]
-        self.model_chunks = [self.head.build(self.hf, self.config, self.profile, v, self.seed) for v in vp_stages]
+        self.model_chunks = [self.head.build(self.hf, self.config, self.profile, v, self.seed,
+                                             explicit_mask=self.explicit_mask) for v in vp_stages]
         for chunk in self.model_chunks:
             load_hf_weights(chunk, self.hf, self.model_path)
         # Each micro-batch's rows, positions and scored outputs (packing.py) reach the model chunks
@@ -296,7 +300,10 @@ class MegatronEngine:
         through megatron's set_input_tensor)."""
         self.active_inputs.current = inputs
         # Unpacked rows need no attention mask: right padding under the causal mask never changes
-        # real positions. Packed rows bring theirs.
+        # real positions. Packed rows bring theirs, and an explicit-mask model always needs one.
+        if self.explicit_mask and inputs.attention_mask is None:
+            raise RuntimeError(f"{self.role}: a micro-batch without an attention mask reached a model that takes "
+                               "its mask from every forward (shared_prompt)")
         return model(inputs.tokens, inputs.position_ids, inputs.attention_mask)
 
     def _run_schedule(self, micro_batches: list[tuple[Batch, ModelInputs, list[int]]], loss_func,

@@ -41,7 +41,9 @@ class ModelInputs:
     seq_len: int  # S: the micro-batch's (token-aligned) sequence length
 
     @property
-    def packed(self) -> bool:
+    def masked(self) -> bool:
+        """The rows bring their own attention mask and rotary positions (the model was built with
+        ``explicit_mask``: model.py)."""
         return self.attention_mask is not None
 
 
@@ -126,10 +128,17 @@ def shared_prompt_inputs(micro_batch: Batch) -> ModelInputs:
 
 def model_inputs(micro_batch: Batch, shared_prompt: bool) -> ModelInputs:
     """The rows to run for ``micro_batch``: packed by prompt when ``shared_prompt`` (and the
-    micro-batch carries the masks that needs), its own rows otherwise."""
+    micro-batch carries the masks that needs), its own rows otherwise. A ``shared_prompt`` model takes
+    its mask from every forward (model.py ``explicit_mask``: with none it would attend everywhere), so
+    rows it cannot pack bring the plain causal mask."""
     if shared_prompt and "response_mask" in micro_batch and "attention_mask" in micro_batch:
         return shared_prompt_inputs(micro_batch)
-    return unpacked_inputs(micro_batch)
+    inputs = unpacked_inputs(micro_batch)
+    if shared_prompt:
+        s = inputs.tokens.shape[1]
+        causal = torch.ones(s, s, dtype=torch.bool, device=inputs.tokens.device).tril()
+        inputs.attention_mask = (~causal).view(1, 1, s, s)
+    return inputs
 
 
 def scatter_tokens(values: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
@@ -179,7 +188,7 @@ def _positioned_rotary(active: ActiveInputs, module, args, output):
     """Hook of the rotary embedding: GPTModel computes the rotary angles of positions 0..L-1 whatever
     the position ids; a packed row needs each token's own position ([L, 1, 1, d] -> [L, G, 1, d])."""
     inputs = active.current
-    if inputs is None or not inputs.packed:
+    if inputs is None or not inputs.masked:
         return None
     table = output[:, 0, 0, :]  # [L, d]: the angles of positions 0..L-1 (a packed position is < L)
     return table[inputs.position_ids.t()].unsqueeze(2)

@@ -86,8 +86,13 @@ def test_shared_prompt_rows_score_the_same_tokens_from_the_same_context():
 def test_rows_with_different_prompts_are_not_packed_together():
     batch = grouped_batch(groups=4, n=1)  # every row its own prompt
     assert shared_prompt_inputs(batch).tokens.shape[0] == 4
-    # Without the masks there is nothing to pack by: the micro-batch's own rows.
-    assert model_inputs(Batch(input_ids=batch["input_ids"]), shared_prompt=True).attention_mask is None
+    # Without the masks there is nothing to pack by: the micro-batch's own rows, under the plain causal
+    # mask (a shared-prompt model takes its mask from every forward).
+    own = model_inputs(Batch(input_ids=batch["input_ids"]), shared_prompt=True)
+    s = batch["input_ids"].shape[1]
+    assert torch.equal(own.tokens, batch["input_ids"])
+    assert torch.equal(own.attention_mask, ~torch.ones(s, s, dtype=torch.bool).tril().view(1, 1, s, s))
+    assert model_inputs(Batch(input_ids=batch["input_ids"]), shared_prompt=False).attention_mask is None
 
 
 @pytest.mark.parametrize("shared_prompt", [False, True])
