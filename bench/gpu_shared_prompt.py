@@ -9,8 +9,8 @@ it after building the assets):
    runs through one actor group (TP1 PP1, the gpu profile: TransformerEngine's layer spec) with its
    plain rows (TE's fused causal attention, fused RoPE) and with shared-prompt rows (one row per
    prompt with its explicit mask: TE's unfused attention, megatron's unfused RoPE): the forward's
-   log-probs, then one update from the same weights (its loss and gradient norm). In float32 and in
-   bfloat16. Tolerances:
+   log-probs, then one update from the same weights against them (its loss, with an entropy term,
+   and its gradient norm). In float32 and in bfloat16. Tolerances:
    - float32: log-probs within 5e-3 (max over the response tokens), loss and grad norm within 1e-3
      relative. Not 1e-5 as on the cpu profile: TE runs float32 GEMMs in TF32
      (CUBLAS_COMPUTE_32F_FAST_TF32), whose 10-bit mantissa rounds differently once the two
@@ -101,7 +101,9 @@ def run_group(model: str, placement, batch, dtype: str, shared: bool, forwards: 
             group.forward(batch)
             times.append(time.perf_counter() - t0)
         batch["old_logprobs"] = logprobs
-        metrics = dict(group.update(batch, LossConfig(kl_coeff=0.0)))
+        # The entropy term makes the loss depend on every scored position's whole distribution (at
+        # ratio 1 the policy term alone is the advantages' mean, the same for any model).
+        metrics = dict(group.update(batch, LossConfig(entropy_coeff=0.01, kl_coeff=0.0)))
         return {"logprobs": logprobs.float(), "loss": metrics["actor/loss"], "grad_norm": metrics["actor/grad_norm"],
                 "forward_s": statistics.median(times)}
     finally:

@@ -683,7 +683,7 @@ class MicroBatchShape:
     rows: int
     row_len: int
     scored: int
-    masked: bool = False  # shared-prompt rows: an explicit [row_len, row_len] mask (the gpu profile's unfused attention)
+    masked: bool = False  # shared-prompt rows: an explicit [row_len, row_len] mask (gpu: TE's unfused attention)
 
     @property
     def tokens(self) -> int:

@@ -204,7 +204,8 @@ class MegatronEngine:
                 chunk.eval()
             self.forward_chunks = self.model_chunks
         threads = self.math_threads()
-        print(f"{self.role} rank {self.rank}: {threads} math threads (RoleSpec.threads={self.spec.threads})", flush=True)
+        print(f"{self.role} rank {self.rank}: {threads} math threads (RoleSpec.threads={self.spec.threads})",
+              flush=True)
         return {**self.coords(), "math_threads": threads}
 
     @staticmethod
