@@ -276,9 +276,10 @@ class MegatronEngine:
         for rows in self._micro_batch_rows(on_device):
             index = torch.tensor(rows, device=self.device)
             micro_batch = Batch({k: v.index_select(0, index) for k, v in on_device.items()})
+            multiple = self.tp if self.config.sequence_parallel else 1
             if self.variable_shapes:
-                micro_batch = trimmed(micro_batch, self.tp if self.config.sequence_parallel else 1)
-            inputs = model_inputs(micro_batch, self.spec.shared_prompt)
+                micro_batch = trimmed(micro_batch, multiple)
+            inputs = model_inputs(micro_batch, self.spec.shared_prompt, multiple)
             seq_len = inputs.tokens.shape[1]
             if self.config.sequence_parallel and seq_len % self.tp:
                 raise ValueError(f"{self.role}: sequence length {seq_len} is not divisible by TP={self.tp} "

@@ -69,9 +69,10 @@ def unpacked_inputs(micro_batch: Batch) -> ModelInputs:
     return ModelInputs(input_ids, positions, None, dst - 1, dst, b, s)
 
 
-def shared_prompt_inputs(micro_batch: Batch) -> ModelInputs:
+def shared_prompt_inputs(micro_batch: Batch, multiple: int = 1) -> ModelInputs:
     """The micro-batch's rows packed by prompt: consecutive rows with the same prompt tokens become
-    one row [prompt, response_1, ..., response_k] (see the module docstring). Needs
+    one row [prompt, response_1, ..., response_k] (see the module docstring), padded to the longest
+    rounded up to a ``multiple`` (sequence parallelism splits the sequence over TP). Needs
     ``response_mask`` and ``attention_mask`` (rlcore.batch.build_batch's rows)."""
     input_ids = micro_batch["input_ids"].cpu()
     response_mask = micro_batch["response_mask"].cpu()
@@ -107,7 +108,7 @@ def shared_prompt_inputs(micro_batch: Batch) -> ModelInputs:
         packed_pos.append(torch.cat(pos))
         packed_seg.append(torch.cat(seg))
 
-    length = max(len(t) for t in packed_tokens)
+    length = -(-max(len(t) for t in packed_tokens) // multiple) * multiple
     n_rows = len(groups)
     tokens = torch.zeros((n_rows, length), dtype=torch.long)  # the filler is never read: any valid id
     positions = torch.zeros((n_rows, length), dtype=torch.long)
@@ -126,13 +127,13 @@ def shared_prompt_inputs(micro_batch: Batch) -> ModelInputs:
                        src.to(device), torch.cat(dst or [empty]).to(device), b, s)
 
 
-def model_inputs(micro_batch: Batch, shared_prompt: bool) -> ModelInputs:
+def model_inputs(micro_batch: Batch, shared_prompt: bool, multiple: int = 1) -> ModelInputs:
     """The rows to run for ``micro_batch``: packed by prompt when ``shared_prompt`` (and the
-    micro-batch carries the masks that needs), its own rows otherwise. A ``shared_prompt`` model takes
-    its mask from every forward (model.py ``explicit_mask``: with none it would attend everywhere), so
-    rows it cannot pack bring the plain causal mask."""
+    micro-batch carries the masks that needs; their length a ``multiple``), its own rows otherwise. A
+    ``shared_prompt`` model takes its mask from every forward (model.py ``explicit_mask``: with none it
+    would attend everywhere), so rows it cannot pack bring the plain causal mask."""
     if shared_prompt and "response_mask" in micro_batch and "attention_mask" in micro_batch:
-        return shared_prompt_inputs(micro_batch)
+        return shared_prompt_inputs(micro_batch, multiple)
     inputs = unpacked_inputs(micro_batch)
     if shared_prompt:
         s = inputs.tokens.shape[1]
