@@ -3,15 +3,15 @@
 The device profile is the only switch between the two ways the same model runs:
 - ``cpu``: gloo, megatron-core's local layer spec (torch RMSNorm, unfused attention), fp32, no fusions;
 - ``gpu``: NCCL, the TransformerEngine layer spec, bf16 or fp32, sequence parallel when TP > 1, fusions.
-TransformerEngine is imported only on the gpu profile.
+TransformerEngine is imported only on the gpu profile. The HF config is read, and the layout checked,
+by rlcore (rlcore/hf_config.py, rlcore/layout.py): the same code `rlx validate` runs.
 
 A model built with ``explicit_mask`` (the roles with ``shared_prompt``: packing.py's rows, where each
 response sees the prompt and itself only) takes its attention mask from every forward: megatron-core's
 ``AttnMaskType.arbitrary`` in either spec (on the gpu profile TransformerEngine then runs its unfused
 attention, the only backend that takes such a mask), and RoPE unfused, so that the per-token rotary
 positions packing.py gives every row apply (TE's fused RoPE takes one ``[s, 1, 1, d]`` table for the
-whole batch). The HF config is read, and the layout checked,
-by rlcore (rlcore/hf_config.py, rlcore/layout.py): the same code `rlx validate` runs.
+whole batch).
 """
 from __future__ import annotations
 
