@@ -16,9 +16,12 @@ it after building the assets):
      (CUBLAS_COMPUTE_32F_FAST_TF32), whose 10-bit mantissa rounds differently once the two
      paths' summation orders differ.
    - bfloat16: against the float32 plain run as the reference, the shared rows' error must stay
-     within twice the plain rows' error + 0.02 on log-probs (max and mean over the response
-     tokens), and within twice + 1e-2 relative on the loss and the grad norm: the masked path may
-     be no less exact than the fused one, by a margin that bf16's 8-bit mantissa makes necessary.
+     within 4x the plain rows' error + 0.05 on the log-probs' max, 2x + 0.01 on their mean (over
+     the response tokens), and 4x + 2e-2 relative on the loss and the grad norm. The margin: TE's
+     unfused attention rounds the scores to bf16 before its softmax (the fused kernels keep them in
+     fp32), and megatron's unfused RoPE multiplies by bf16 cos/sin (TE's fused one in fp32). A wrong
+     mask or wrong positions give errors of whole nats, far outside either bound; the float32 check
+     is the sharp one.
 2. **What it costs.** TE's ``DotProductAttention`` alone (forward + backward, median of 20 after 3
    warm-ups) at SmolLM2-135M's heads (9 query, 3 key-value, head dim 64) in bfloat16, for the job's
    shape and longer ones: the plain rows (n rows of prompt + response, causal: TE's fused backend),
@@ -134,10 +137,10 @@ def same_numbers(model: str, data: str) -> bool:
     checks.append(("float32 shared vs plain: loss rel", fp32["loss_rel"], 1e-3))
     checks.append(("float32 shared vs plain: grad norm rel", fp32["gn_rel"], 1e-3))
     plain, shared = err[("bfloat16", False)], err[("bfloat16", True)]
-    checks.append(("bfloat16 shared vs float32: log-prob max", shared["lp_max"], 2 * plain["lp_max"] + 0.02))
-    checks.append(("bfloat16 shared vs float32: log-prob mean", shared["lp_mean"], 2 * plain["lp_mean"] + 0.02))
-    checks.append(("bfloat16 shared vs float32: loss rel", shared["loss_rel"], 2 * plain["loss_rel"] + 1e-2))
-    checks.append(("bfloat16 shared vs float32: grad norm rel", shared["gn_rel"], 2 * plain["gn_rel"] + 1e-2))
+    checks.append(("bfloat16 shared vs float32: log-prob max", shared["lp_max"], 4 * plain["lp_max"] + 0.05))
+    checks.append(("bfloat16 shared vs float32: log-prob mean", shared["lp_mean"], 2 * plain["lp_mean"] + 0.01))
+    checks.append(("bfloat16 shared vs float32: loss rel", shared["loss_rel"], 4 * plain["loss_rel"] + 2e-2))
+    checks.append(("bfloat16 shared vs float32: grad norm rel", shared["gn_rel"], 4 * plain["gn_rel"] + 2e-2))
 
     rows, seqs = batch["input_ids"].shape
     print(f"\n### Shared-prompt rows vs plain rows on the gpu profile ({model}: {rows} rows x {seqs} tokens, "
