@@ -7,13 +7,17 @@
 #    megatron-core 0.16.1 and Ray, TransformerEngine 2.11 for megatron-core's TE layer spec; apex is
 #    optional and not installed); an existing .venv-gpu that imports all of them is reused;
 # 2. builds the quickstart's tiny model and data and the SmolLM2 model and arithmetic data (offline);
-# 3. runs bench/e2e_step.py on the quickstart and on the SmolLM2 job on the gpu profile: bf16, the
+# 3. runs bench/gpu_shared_prompt.py on GPU 0: shared-prompt rows (actor.shared_prompt) against plain
+#    rows, in fp32 and bf16 (log-probs, one update's loss and grad norm, within the tolerances its
+#    docstring states), and TransformerEngine's masked attention timed against the fused causal one;
+# 4. runs bench/e2e_step.py on the quickstart and on the SmolLM2 job on the gpu profile: bf16, the
 #    `broadcast` weight sync over NCCL, the actor on one GPU and the vLLM engine on another (on a
 #    one-GPU machine both on the same GPU, see below), RLX_GPU_STEPS measured steps after one warm-up;
 #    each prints its phase table and the update's MFU against a bf16 matmul measured in the same run.
 #
 # Every stage has its own time limit and the script stops at the first failure with a line naming the
-# stage. With the venv already installed the whole check takes about 5 minutes; a first install
+# stage. With the venv already installed the whole check takes about 5 minutes, plus the shared-prompt
+# stage's four actor start-ups and attention timings (~2 minutes, an estimate: not run on a GPU yet); a first install
 # downloads ~5 GB and compiles TransformerEngine's torch extension (for this GPU's architecture only),
 # which can take longer: RLX_GPU_INSTALL_S raises that stage's limit.
 #
@@ -122,13 +126,18 @@ stage assets 240 bash -c "set -euo pipefail
   '$PY' -m launch.assets.smollm2
   '$PY' -m launch.assets.math_data"
 
+# ------------------------------------------------------------------------------ shared-prompt rows
+# Before the benches' placement: one GPU, its own local Ray, no weight sync. A failed tolerance is
+# exit 1 (its table says which); the job specs below keep their shared_prompt: true.
+stage shared-prompt 300 "$PY" -m bench.gpu_shared_prompt
+
 # -------------------------------------------------------------------------------------- placement
 # The gpu profile on one GPU for the actor (TP1 PP1) and one for the engine.
-# The CPU specs' stage split and shared-prompt rows are cpu-profile choices (rlx validate refuses
-# shared_prompt on the gpu profile in this release): off here.
+# The CPU specs' stage split is a cpu-profile choice: off here. Their shared-prompt rows stay on
+# (the gpu profile runs them through TE's unfused attention with their mask).
 GPU_KEYS=(resources.device=gpu model.dtype=bfloat16 rollout.weight_transport=broadcast
           resources.pools.actor=1 resources.pools.rollout=1 actor.tp=1 actor.pp=1 actor.pp_layers=null
-          actor.shared_prompt=false rollout.gpu_memory_utilization=0.4)
+          rollout.gpu_memory_utilization=0.4)
 if [ "$GPUS" -ge 2 ]; then
   export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
   log "actor on GPU 0, vLLM engine on GPU 1 (a local Ray cluster per bench)"

@@ -165,15 +165,21 @@ class Plan:
         return totals
 
 
-def _activation_bytes_per_token_layer(m: ModelDims, tp: int, device: str, seq_len: int, act_bytes: int) -> float:
+def _activation_bytes_per_token_layer(m: ModelDims, tp: int, device: str, seq_len: int, act_bytes: int,
+                                     masked: bool = False) -> float:
     """What one layer keeps for the backward per token on one TP rank: the two norm inputs and the
     QKV/MLP inputs (hidden-sized; split by TP only under sequence parallelism, which the gpu profile
     turns on for TP > 1), Q/K/V and the attention output, the SwiGLU input (2 x ffn) and output.
-    The cpu profile's unfused attention also keeps the [heads, s, s] scores and probabilities (fp32)."""
+    The cpu profile's unfused attention also keeps the [heads, s, s] scores and probabilities (fp32).
+    On the gpu profile, rows with an explicit mask (``masked``: shared-prompt rows) run TE's unfused
+    attention, which keeps the [heads, s, s] probabilities for the backward: in the activations' dtype,
+    and in fp32 from the softmax when TE's fused softmax kernel does not apply (counted: the bound)."""
     sp = tp if device == "gpu" else 1
     per_token = (4 * m.hidden / sp + m.qkv_width / tp + m.heads * m.head_dim / tp + 3 * m.ffn / tp) * act_bytes
     if device == "cpu":
         per_token += 2 * (m.heads / tp) * seq_len * 4
+    elif masked:
+        per_token += (m.heads / tp) * seq_len * (act_bytes + 4)
     return per_token
 
 
@@ -184,7 +190,8 @@ def _train_role(m: ModelDims, role: str, lay: RoleLayout, dtype: str, device: st
     ``micro_batch`` rows of ``seq_len`` tokens, every position scored."""
     wbytes = BYTES[dtype]
     shape = shape or MicroBatchShape(micro_batch, seq_len, micro_batch * seq_len)
-    per_layer = _activation_bytes_per_token_layer(m, lay.tp, device, shape.row_len, wbytes) * shape.tokens
+    per_layer = _activation_bytes_per_token_layer(m, lay.tp, device, shape.row_len, wbytes,
+                                                  shape.masked) * shape.tokens
     # fp32 logits and their softmax, at the positions that score a response token only
     logits = 0.0 if value_head else 2 * shape.scored * (m.vocab / lay.tp) * 4
     worst: Optional[RoleEstimate] = None
@@ -676,6 +683,7 @@ class MicroBatchShape:
     rows: int
     row_len: int
     scored: int
+    masked: bool = False  # shared-prompt rows: an explicit [row_len, row_len] mask (gpu: TE's unfused attention)
 
     @property
     def tokens(self) -> int:
@@ -688,7 +696,7 @@ class MicroBatchShape:
         if not shared_prompt:
             return cls(mbs, prompt_len + response_len, mbs * response_len)
         groups = max(1, -(-mbs // n))  # a micro-batch of part of a group still runs the prompt once
-        return cls(groups, prompt_len + -(-mbs // groups) * response_len, mbs * response_len)
+        return cls(groups, prompt_len + -(-mbs // groups) * response_len, mbs * response_len, masked=True)
 
 
 def _cpu_pass_seconds(m: ModelDims, lay: RoleLayout, shape: MicroBatchShape, microbatches: int, share: float,

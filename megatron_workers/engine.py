@@ -165,13 +165,17 @@ class MegatronEngine:
             tensor_parallel.model_parallel_cuda_manual_seed(self.seed)
 
         self.hf = read_hf_config(self.model_path)
+        # Shared-prompt rows bring their own attention mask and rotary positions (packing.py): the
+        # model takes the mask from each forward (model.py explicit_mask).
+        self.explicit_mask = self.spec.shared_prompt
         self.config = transformer_config(self.hf, self.profile, self.dtype, self.tp, self.pp, self.vpp,
-                                         self.spec.pp_layers)
+                                         self.spec.pp_layers, explicit_mask=self.explicit_mask)
         # Unwrapped chunks: their names map to HF. One chunk per virtual stage, in layer order
         # (vp_stage None: no virtual stages). Built in the same order on every rank: a chunk holding a
         # tied embedding all-reduces it at construction.
         vp_stages = list(range(self.vpp)) if self.vpp > 1 else [None]
-        self.model_chunks = [self.head.build(self.hf, self.config, self.profile, v, self.seed) for v in vp_stages]
+        self.model_chunks = [self.head.build(self.hf, self.config, self.profile, v, self.seed,
+                                             explicit_mask=self.explicit_mask) for v in vp_stages]
         for chunk in self.model_chunks:
             load_hf_weights(chunk, self.hf, self.model_path)
         # Each micro-batch's rows, positions and scored outputs (packing.py) reach the model chunks
@@ -199,7 +203,16 @@ class MegatronEngine:
             for chunk in self.model_chunks:
                 chunk.eval()
             self.forward_chunks = self.model_chunks
-        return self.coords()
+        threads = self.math_threads()
+        print(f"{self.role} rank {self.rank}: {threads} math threads (RoleSpec.threads={self.spec.threads})",
+              flush=True)
+        return {**self.coords(), "math_threads": threads}
+
+    @staticmethod
+    def math_threads() -> int:
+        """The intra-op threads torch runs this rank's math with, as seen by the actor's calls (a Ray
+        actor runs every call on one thread, the one that set them in ``__init__``)."""
+        return torch.get_num_threads()
 
     def _build_optimizer(self) -> None:
         from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
@@ -263,9 +276,10 @@ class MegatronEngine:
         for rows in self._micro_batch_rows(on_device):
             index = torch.tensor(rows, device=self.device)
             micro_batch = Batch({k: v.index_select(0, index) for k, v in on_device.items()})
+            multiple = self.tp if self.config.sequence_parallel else 1
             if self.variable_shapes:
-                micro_batch = trimmed(micro_batch, self.tp if self.config.sequence_parallel else 1)
-            inputs = model_inputs(micro_batch, self.spec.shared_prompt)
+                micro_batch = trimmed(micro_batch, multiple)
+            inputs = model_inputs(micro_batch, self.spec.shared_prompt, multiple)
             seq_len = inputs.tokens.shape[1]
             if self.config.sequence_parallel and seq_len % self.tp:
                 raise ValueError(f"{self.role}: sequence length {seq_len} is not divisible by TP={self.tp} "
@@ -288,7 +302,10 @@ class MegatronEngine:
         through megatron's set_input_tensor)."""
         self.active_inputs.current = inputs
         # Unpacked rows need no attention mask: right padding under the causal mask never changes
-        # real positions. Packed rows bring theirs.
+        # real positions. Packed rows bring theirs, and an explicit-mask model always needs one.
+        if self.explicit_mask and inputs.attention_mask is None:
+            raise RuntimeError(f"{self.role}: a micro-batch without an attention mask reached a model that takes "
+                               "its mask from every forward (shared_prompt)")
         return model(inputs.tokens, inputs.position_ids, inputs.attention_mask)
 
     def _run_schedule(self, micro_batches: list[tuple[Batch, ModelInputs, list[int]]], loss_func,

@@ -51,6 +51,12 @@ class MegatronGroup:
             master_addr, master_port = ray.get(self.workers[0].node_ip_and_free_port.remote())
             # initialize_model_parallel is collective: every rank must be inside init at once.
             coords = ray.get([w.init.remote(master_addr, master_port) for w in self.workers])
+            # Each rank computes with its share of the cores (launch/compose.py job_threads), not the
+            # one thread a Ray worker starts with (rlcore/placement.py WORKER_ENV).
+            for rank, c in enumerate(coords):
+                if c["math_threads"] != spec.threads:
+                    raise RuntimeError(f"{spec.name} rank {rank} computes with {c['math_threads']} math threads, "
+                                       f"but its share of the cores is {spec.threads} (RoleSpec.threads)")
         except BaseException:
             self.shutdown()
             raise
@@ -194,6 +200,10 @@ class MegatronGroup:
             raise RuntimeError(f"{self.role}: weight sync is not set up; call weight_sync_plans(), "
                                f"weight_sync_links() and init_weight_sync() first")
         return [w.send_weights.remote(with_checksums) for w in self.workers]
+
+    def math_threads(self) -> list[int]:
+        """Each rank's torch math threads now, in rank order."""
+        return self._get([w.math_threads.remote() for w in self.workers], "a thread query")
 
     def peak_memory_mb(self) -> list[float]:
         """Each rank's peak resident memory (MiB), in rank order."""

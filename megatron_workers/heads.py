@@ -33,10 +33,10 @@ class LMHead:
     train_keys: Optional[tuple[str, ...]] = None  # the policy loss may read any key: send the whole batch
 
     @staticmethod
-    def build(hf, config, profile: str, vp_stage, seed: int):
+    def build(hf, config, profile: str, vp_stage, seed: int, explicit_mask: bool = False):
         from .model import build_gpt_model
 
-        return build_gpt_model(hf, config, profile, vp_stage=vp_stage)
+        return build_gpt_model(hf, config, profile, vp_stage=vp_stage, explicit_mask=explicit_mask)
 
     @staticmethod
     def outputs(output: torch.Tensor, micro_batch: Batch, inputs, tp_group, temperature: float = 1.0) -> dict:
@@ -89,10 +89,11 @@ class ValueHead:
     train_keys = ("input_ids", "attention_mask", "response_mask", "returns", "old_values", "loss_weights")  # what critic_loss reads
 
     @staticmethod
-    def build(hf, config, profile: str, vp_stage, seed: int):
+    def build(hf, config, profile: str, vp_stage, seed: int, explicit_mask: bool = False):
         from .model import build_gpt_model
 
-        return build_gpt_model(hf, config, profile, vp_stage=vp_stage, value_head_seed=seed)
+        return build_gpt_model(hf, config, profile, vp_stage=vp_stage, value_head_seed=seed,
+                               explicit_mask=explicit_mask)
 
     @staticmethod
     def outputs(output: torch.Tensor, micro_batch: Batch, inputs, tp_group) -> dict:
@@ -142,10 +143,10 @@ class ScoreHead:
     train_keys = ("input_ids", "attention_mask", "loss_weights")
 
     @staticmethod
-    def build(hf, config, profile: str, vp_stage, seed: int):
+    def build(hf, config, profile: str, vp_stage, seed: int, explicit_mask: bool = False):
         from .score_head import build_score_model
 
-        return build_score_model(hf, config, profile, vp_stage, seed)
+        return build_score_model(hf, config, profile, vp_stage, seed, explicit_mask)
 
     @staticmethod
     def outputs(output: torch.Tensor, micro_batch: Batch, inputs, tp_group) -> dict:

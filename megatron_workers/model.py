@@ -5,6 +5,13 @@ The device profile is the only switch between the two ways the same model runs:
 - ``gpu``: NCCL, the TransformerEngine layer spec, bf16 or fp32, sequence parallel when TP > 1, fusions.
 TransformerEngine is imported only on the gpu profile. The HF config is read, and the layout checked,
 by rlcore (rlcore/hf_config.py, rlcore/layout.py): the same code `rlx validate` runs.
+
+A model built with ``explicit_mask`` (the roles with ``shared_prompt``: packing.py's rows, where each
+response sees the prompt and itself only) takes its attention mask from every forward: megatron-core's
+``AttnMaskType.arbitrary`` in either spec (on the gpu profile TransformerEngine then runs its unfused
+attention, the only backend that takes such a mask), and RoPE unfused, so that the per-token rotary
+positions packing.py gives every row apply (TE's fused RoPE takes one ``[s, 1, 1, d]`` table for the
+whole batch).
 """
 from __future__ import annotations
 
@@ -29,10 +36,11 @@ def read_hf_config(model_path: str) -> HFModelSpec:
 
 
 def transformer_config(hf: HFModelSpec, profile: str, dtype: str, tp: int, pp: int, vpp: int = 1,
-                       pp_layers=None):
+                       pp_layers=None, explicit_mask: bool = False):
     """The TransformerConfig of ``hf`` under TP=``tp``, PP=``pp`` (each PP rank holding ``vpp`` model
     chunks: the interleaved 1F1B schedule when ``vpp`` > 1) on the given device profile; ``pp_layers``:
-    the transformer layers of each PP stage (None: megatron's even split). Every layer index elsewhere
+    the transformer layers of each PP stage (None: megatron's even split); ``explicit_mask``: the model
+    takes per-row masks and positions (module docstring), so RoPE runs unfused. Every layer index elsewhere
     (HF names, weight sync, checkpoints) comes from megatron's own offsets, so an uneven split needs
     nothing else."""
     import torch.nn.functional as F
@@ -93,23 +101,36 @@ def transformer_config(hf: HFModelSpec, profile: str, dtype: str, tp: int, pp: i
         masked_softmax_fusion=gpu,
         bias_activation_fusion=gpu,
         bias_dropout_fusion=gpu,
-        apply_rope_fusion=gpu,
+        # TE's fused RoPE refuses a per-row table ([s, b, 1, d] with b > 1: "expected the second and third
+        # dims of the freqs tensor equal 1"); megatron's unfused RoPE broadcasts it.
+        apply_rope_fusion=gpu and not explicit_mask,
         persist_layer_norm=gpu,
     )
 
 
-def layer_spec(profile: str):
+def layer_spec(profile: str, explicit_mask: bool = False):
+    """The profile's transformer layer spec; with ``explicit_mask`` its self-attention takes the mask
+    each forward brings (``AttnMaskType.arbitrary``, as megatron-core's modelopt spec does for
+    ``use_arbitrary_attention_mask``) instead of building the causal one. Under the causal type TE's
+    attention ignores a given mask, and so does megatron's fused softmax on GPU."""
+    from megatron.core.transformer.enums import AttnMaskType
+
     if profile == "gpu":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec()
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        spec = get_gpt_layer_with_transformer_engine_spec()
+    else:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(normalization="RMSNorm")
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if explicit_mask:
+        attention = spec.submodules.self_attention
+        attention.params = {**attention.params, "attn_mask_type": AttnMaskType.arbitrary}
+    return spec
 
 
 def build_gpt_model(hf: HFModelSpec, config, profile: str, value_head_seed: int | None = None,
-                    vp_stage: int | None = None):
+                    vp_stage: int | None = None, explicit_mask: bool = False):
     """This rank's pipeline stage of the GPTModel (parallel_state must be initialised); with virtual
     pipeline stages, its model chunk ``vp_stage`` (layers offset by megatron's
     ``get_transformer_layer_offset``; pre/post-processing only on the first chunk of the first PP
@@ -118,16 +139,22 @@ def build_gpt_model(hf: HFModelSpec, config, profile: str, value_head_seed: int 
     ``parallel_output=True``: the last stage returns vocab-parallel logits [b, s, vocab / TP], which
     ``logprobs.vocab_parallel_logprobs`` consumes without gathering the vocabulary.
 
+    ``explicit_mask``: every forward brings its attention mask (module docstring; ``config`` must have
+    been made with the same ``explicit_mask``).
+
     ``value_head_seed`` given: the critic's value model, whose last stage returns values [b, s, 1]
     from a ``value_head.ValueHead`` (initialised from that seed) instead of the vocabulary projection."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    if explicit_mask and config.apply_rope_fusion:
+        raise ValueError("an explicit-mask model needs a config made with explicit_mask=True (unfused RoPE: "
+                         "its rows carry their own positions)")
     first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(profile),
+        transformer_layer_spec=layer_spec(profile, explicit_mask),
         vocab_size=hf.vocab_size,
         max_sequence_length=hf.max_position_embeddings,
         pre_process=first,

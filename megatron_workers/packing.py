@@ -41,7 +41,9 @@ class ModelInputs:
     seq_len: int  # S: the micro-batch's (token-aligned) sequence length
 
     @property
-    def packed(self) -> bool:
+    def masked(self) -> bool:
+        """The rows bring their own attention mask and rotary positions (the model was built with
+        ``explicit_mask``: model.py)."""
         return self.attention_mask is not None
 
 
@@ -67,9 +69,10 @@ def unpacked_inputs(micro_batch: Batch) -> ModelInputs:
     return ModelInputs(input_ids, positions, None, dst - 1, dst, b, s)
 
 
-def shared_prompt_inputs(micro_batch: Batch) -> ModelInputs:
+def shared_prompt_inputs(micro_batch: Batch, multiple: int = 1) -> ModelInputs:
     """The micro-batch's rows packed by prompt: consecutive rows with the same prompt tokens become
-    one row [prompt, response_1, ..., response_k] (see the module docstring). Needs
+    one row [prompt, response_1, ..., response_k] (see the module docstring), padded to the longest
+    rounded up to a ``multiple`` (sequence parallelism splits the sequence over TP). Needs
     ``response_mask`` and ``attention_mask`` (rlcore.batch.build_batch's rows)."""
     input_ids = micro_batch["input_ids"].cpu()
     response_mask = micro_batch["response_mask"].cpu()
@@ -105,7 +108,7 @@ def shared_prompt_inputs(micro_batch: Batch) -> ModelInputs:
         packed_pos.append(torch.cat(pos))
         packed_seg.append(torch.cat(seg))
 
-    length = max(len(t) for t in packed_tokens)
+    length = -(-max(len(t) for t in packed_tokens) // multiple) * multiple
     n_rows = len(groups)
     tokens = torch.zeros((n_rows, length), dtype=torch.long)  # the filler is never read: any valid id
     positions = torch.zeros((n_rows, length), dtype=torch.long)
@@ -124,12 +127,19 @@ def shared_prompt_inputs(micro_batch: Batch) -> ModelInputs:
                        src.to(device), torch.cat(dst or [empty]).to(device), b, s)
 
 
-def model_inputs(micro_batch: Batch, shared_prompt: bool) -> ModelInputs:
+def model_inputs(micro_batch: Batch, shared_prompt: bool, multiple: int = 1) -> ModelInputs:
     """The rows to run for ``micro_batch``: packed by prompt when ``shared_prompt`` (and the
-    micro-batch carries the masks that needs), its own rows otherwise."""
+    micro-batch carries the masks that needs; their length a ``multiple``), its own rows otherwise. A
+    ``shared_prompt`` model takes its mask from every forward (model.py ``explicit_mask``: with none it
+    would attend everywhere), so rows it cannot pack bring the plain causal mask."""
     if shared_prompt and "response_mask" in micro_batch and "attention_mask" in micro_batch:
-        return shared_prompt_inputs(micro_batch)
-    return unpacked_inputs(micro_batch)
+        return shared_prompt_inputs(micro_batch, multiple)
+    inputs = unpacked_inputs(micro_batch)
+    if shared_prompt:
+        s = inputs.tokens.shape[1]
+        causal = torch.ones(s, s, dtype=torch.bool, device=inputs.tokens.device).tril()
+        inputs.attention_mask = (~causal).view(1, 1, s, s)
+    return inputs
 
 
 def scatter_tokens(values: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
@@ -179,7 +189,7 @@ def _positioned_rotary(active: ActiveInputs, module, args, output):
     """Hook of the rotary embedding: GPTModel computes the rotary angles of positions 0..L-1 whatever
     the position ids; a packed row needs each token's own position ([L, 1, 1, d] -> [L, G, 1, d])."""
     inputs = active.current
-    if inputs is None or not inputs.packed:
+    if inputs is None or not inputs.masked:
         return None
     table = output[:, 0, 0, :]  # [L, d]: the angles of positions 0..L-1 (a packed position is < L)
     return table[inputs.position_ids.t()].unsqueeze(2)

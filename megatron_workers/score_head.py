@@ -30,12 +30,12 @@ class ScoreLayer(ValueHead):
         super().__init__(config, seed, bias=False)
 
 
-def build_score_model(hf, config, profile: str, vp_stage, seed: int):
+def build_score_model(hf, config, profile: str, vp_stage, seed: int, explicit_mask: bool = False):
     """This rank's stage of the scoring GPTModel: the critic's untied build, whose last stage then
     gets the ``ScoreLayer`` in place of the value head (a transient [1, hidden] allocation)."""
     from .model import build_gpt_model
 
-    model = build_gpt_model(hf, config, profile, vp_stage=vp_stage, value_head_seed=seed)
+    model = build_gpt_model(hf, config, profile, vp_stage=vp_stage, value_head_seed=seed, explicit_mask=explicit_mask)
     if getattr(model, "post_process", False):
         model.output_layer = ScoreLayer(config, seed)
     return model

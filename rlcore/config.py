@@ -122,6 +122,8 @@ class ActorConfig:
     # The rollout.n rows of a prompt run as one row: the prompt once, then each response, under an
     # attention mask that keeps the responses apart (megatron_workers/packing.py). Same loss and
     # gradient, fewer FLOPs when prompts are long next to responses; micro_batch_size still counts rows.
+    # The attention then materialises [heads, L, L] per packed row (on the gpu profile TE's unfused
+    # attention, not its fused causal kernels: README, Throughput).
     shared_prompt: bool = False
     # Micro-batches by tokens instead of rows: sequences (with shared_prompt, a prompt's rows) sorted
     # by length and packed first-fit under this many tokens (rows x the micro-batch's longest row);

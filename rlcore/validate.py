@@ -66,7 +66,6 @@ def validate(cfg: JobConfig, require_files: Optional[bool] = None) -> JobLayout:
     model = _read_model(cfg.model.path, None if require_files else cfg.model.hf_config)
     _check_pools(cfg)
     _check_checkpointable(cfg, device)
-    _check_shared_prompt(cfg, device)
 
     a = cfg.actor
     actor = _role_layout(cfg, "actor", a.pool, a.tp, a.pp, a.vpp, a.pp_layers)
@@ -405,21 +404,6 @@ def _check_micro_batch_shapes(cfg: JobConfig, role: str, layout: RoleLayout) -> 
         key = f"{role}.shared_prompt" if shared else f"{role}.max_tokens_per_micro_batch"
         raise ConfigError(f"{key} with {role}.vpp={layout.vpp}: the interleaved pipeline schedule needs every "
                           "micro-batch in the same shape; use vpp=1 or turn it off")
-
-
-def _check_shared_prompt(cfg: JobConfig, device: str) -> None:
-    # Packed rows need an arbitrary attention mask and per-token rotary positions. megatron-core's
-    # local attention (the cpu profile) takes both; the gpu profile's TransformerEngine layers run a
-    # causal-only fused attention and fused RoPE here, and that path is not validated yet.
-    if device == "cpu":
-        return
-    for key, on in (("actor.shared_prompt", cfg.actor.shared_prompt),
-                    ("reference.shared_prompt", cfg.reference.shared_prompt),
-                    ("critic.shared_prompt", cfg.critic.shared_prompt and needs_critic(cfg))):
-        if on:
-            raise ConfigError(f"{key}=true needs the cpu profile in this release (packed rows need an arbitrary "
-                              f"attention mask; the {device} profile's TransformerEngine attention is causal-only "
-                              "here); set it false")
 
 
 def _check_checkpointable(cfg: JobConfig, device: str) -> None:

@@ -2,6 +2,7 @@
 asserted): the update's FLOP count, the overlap figure, and how bench/vs_trl.py states a job in TRL's
 terms, refusing what TRL cannot reproduce."""
 import pytest
+import torch
 
 from bench.e2e_step import TOTAL, executed_rows, overlap, update_flops_per_row
 from bench.vs_trl import NotComparable, trl_job
@@ -111,3 +112,26 @@ def test_tree_pss_counts_a_childs_memory_once():
     finally:
         child.kill()
         child.wait()
+
+
+# ------------------------------------------------------------------------- bench/gpu_shared_prompt.py
+def test_gpu_shared_prompt_bench_times_the_row_the_engine_runs():
+    """The timing table's packed row is packing.py's: prompt + n responses, each response token seeing
+    the prompt and its own earlier tokens only."""
+    from bench.gpu_shared_prompt import ATTENTION_SHAPES, packed_mask
+
+    assert ATTENTION_SHAPES[0] == (43, 16, 8)  # the SmolLM2 job's: ~43 prompt tokens, up to 16 new, n = 8
+    prompt, response, n = 5, 3, 4
+    mask = packed_mask(prompt, response, n, "cpu")
+    length = prompt + n * response
+    assert mask.shape == (1, 1, length, length) and mask.dtype == torch.bool
+    visible = (~mask[0, 0]).sum(1)
+    assert visible[:prompt].tolist() == list(range(1, prompt + 1))
+    assert visible[prompt:].tolist() == [prompt + j + 1 for _ in range(n) for j in range(response)]
+
+
+def test_gpu_shared_prompt_bench_needs_a_gpu(capsys):
+    from bench.gpu_shared_prompt import main
+
+    assert main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err

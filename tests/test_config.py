@@ -669,10 +669,13 @@ def test_token_budget_needs_only_an_even_dp_split(files):
     assert "actor.micro_batch_size=7" in validate_error(files, "actor.micro_batch_size=7", "reference.micro_batch_size=7")
 
 
-def test_shared_prompt_is_refused_on_the_gpu_profile(files):
-    message = validate_error(files, "resources.device=gpu", "model.dtype=bfloat16", "actor.shared_prompt=true")
-    assert_in(message, "actor.shared_prompt=true needs the cpu profile", "set it false")
-    validate(job(files, "resources.device=cpu", "actor.shared_prompt=true"))
+@pytest.mark.parametrize("device, dtype", [("cpu", "float32"), ("gpu", "bfloat16")])
+def test_shared_prompt_validates_on_both_profiles(files, device, dtype):
+    # The gpu profile runs shared-prompt rows through TransformerEngine's unfused attention with their
+    # explicit mask and unfused RoPE (megatron_workers/model.py explicit_mask; tests/test_packing.py).
+    layout = validate(job(files, f"resources.device={device}", f"model.dtype={dtype}", "actor.shared_prompt=true",
+                          "critic.shared_prompt=true"))
+    assert (layout.device, layout.dtype) == (device, dtype)
 
 
 # ------------------------------------------------------------------------ uneven pipeline stages

@@ -101,3 +101,46 @@ def test_validate_and_the_role_groups_refuse_the_same_layout_with_the_same_sente
     assert str(by_group.value).split(" (")[0] == str(by_validate.value).split(" (")[0]
     with pytest.raises(ConfigError, match="rollout.tp=3 does not divide the model's 4 attention heads"):
         RolloutPool(model, RolloutConfig(tp=3), placement=None, profile="cpu", dtype="float32", seed=0)
+
+
+# ----------------------------------------------------------- shared-prompt rows: the explicit mask
+@pytest.mark.parametrize("profile, dtype", [("cpu", "float32"), ("gpu", "bfloat16")])
+def test_an_explicit_mask_model_runs_rope_unfused_on_either_profile(qwen2, profile, dtype):
+    """Shared-prompt rows carry per-row rotary positions ([s, b, 1, d]), which TE's fused RoPE refuses;
+    without them the gpu profile keeps it fused (here, without TransformerEngine, megatron says it is
+    unavailable: it was asked for)."""
+    from megatron_workers.model import transformer_config
+
+    hf = read_hf_config(qwen2)
+    assert transformer_config(hf, profile, dtype, tp=1, pp=1, explicit_mask=True).apply_rope_fusion is False
+    if profile == "cpu":
+        assert transformer_config(hf, profile, dtype, tp=1, pp=1).apply_rope_fusion is False
+    else:
+        try:
+            assert transformer_config(hf, profile, dtype, tp=1, pp=1).apply_rope_fusion is True
+        except ValueError as err:  # no TransformerEngine on this machine
+            assert "apply_rope_fusion is not available" in str(err)
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_an_explicit_mask_spec_takes_the_arbitrary_mask_type(profile):
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_workers.model import layer_spec
+
+    if profile == "gpu":
+        pytest.importorskip("transformer_engine.pytorch", reason="the gpu spec is TransformerEngine's")
+    assert layer_spec(profile).submodules.self_attention.params["attn_mask_type"] == AttnMaskType.causal
+    masked = layer_spec(profile, explicit_mask=True).submodules.self_attention
+    assert masked.params["attn_mask_type"] == AttnMaskType.arbitrary
+    assert layer_spec(profile).submodules.self_attention.params["attn_mask_type"] == AttnMaskType.causal  # no leak
+
+
+def test_an_explicit_mask_model_refuses_a_config_with_fused_rope(qwen2):
+    from megatron_workers.model import build_gpt_model, transformer_config
+
+    hf = read_hf_config(qwen2)
+    config = transformer_config(hf, "cpu", "float32", tp=1, pp=1)
+    config.apply_rope_fusion = True  # as the gpu profile's config without explicit_mask
+    with pytest.raises(ValueError, match="explicit_mask=True"):
+        build_gpt_model(hf, config, "cpu", explicit_mask=True)

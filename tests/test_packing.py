@@ -83,11 +83,31 @@ def test_shared_prompt_rows_score_the_same_tokens_from_the_same_context():
         assert inputs.position_ids[grp, seen].tolist() == list(range(t))
 
 
+def test_shared_prompt_rows_pad_to_a_multiple_for_sequence_parallelism():
+    """Under sequence parallelism (the gpu profile at TP > 1) a packed row's length is a multiple of TP;
+    the padding is never read and no real token sees it."""
+    batch = grouped_batch(groups=3, n=4)
+    plain = shared_prompt_inputs(batch)
+    padded = model_inputs(batch, shared_prompt=True, multiple=4)
+    length = plain.tokens.shape[1]
+    assert padded.tokens.shape[1] == -(-length // 4) * 4 > length
+    assert torch.equal(padded.tokens[:, :length], plain.tokens) and torch.equal(padded.dst, plain.dst)
+    grp, q = plain.src // length, plain.src % length
+    assert torch.equal(padded.src, grp * padded.tokens.shape[1] + q)
+    assert torch.equal(padded.attention_mask[:, :, :length, :length], plain.attention_mask)
+    assert bool(padded.attention_mask[grp, 0, q][:, length:].all())  # scored outputs never see the padding
+
+
 def test_rows_with_different_prompts_are_not_packed_together():
     batch = grouped_batch(groups=4, n=1)  # every row its own prompt
     assert shared_prompt_inputs(batch).tokens.shape[0] == 4
-    # Without the masks there is nothing to pack by: the micro-batch's own rows.
-    assert model_inputs(Batch(input_ids=batch["input_ids"]), shared_prompt=True).attention_mask is None
+    # Without the masks there is nothing to pack by: the micro-batch's own rows, under the plain causal
+    # mask (a shared-prompt model takes its mask from every forward).
+    own = model_inputs(Batch(input_ids=batch["input_ids"]), shared_prompt=True)
+    s = batch["input_ids"].shape[1]
+    assert torch.equal(own.tokens, batch["input_ids"])
+    assert torch.equal(own.attention_mask, ~torch.ones(s, s, dtype=torch.bool).tril().view(1, 1, s, s))
+    assert model_inputs(Batch(input_ids=batch["input_ids"]), shared_prompt=False).attention_mask is None
 
 
 @pytest.mark.parametrize("shared_prompt", [False, True])

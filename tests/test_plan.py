@@ -139,6 +139,24 @@ def test_memory_figures_follow_the_workers_settings():
     assert ro.kv_sequences == int(ro.kv_cache // (2 * 28 * 2 * 128 * 2 * 3072))
 
 
+def test_shared_prompt_rows_on_the_gpu_profile_count_the_unfused_attentions_probabilities():
+    """The gpu profile's shared-prompt rows run TE's unfused attention, which keeps [heads, L, L]
+    probabilities per layer (bf16, and fp32 from the softmax: 6 bytes an element, the bound); the plain
+    rows' fused attention keeps none."""
+    spec = SPECS["grpo_qwen2.5_7b_2x8"]  # actor TP2, 28 layers, 28 heads; micro-batch 2 of a group of 8
+    cfg, plain = _plan_of(spec)
+    _, shared = _plan_of(spec, "actor.shared_prompt=true")
+    shape = plan.MicroBatchShape.of(2, 1024, 2048, 8, shared_prompt=True)
+    assert (shape.rows, shape.row_len, shape.masked) == (1, 1024 + 2 * 2048, True)  # 2 rows of 3072 before
+    m, _ = plan.read_model(cfg)
+    linear = plan._activation_bytes_per_token_layer(m, 2, "gpu", 0, 2)  # per token, whatever the length
+    probabilities = (28 / 2) * 5120 * (2 + 4)
+    assert plan._activation_bytes_per_token_layer(m, 2, "gpu", 5120, 2, masked=True) == linear + probabilities
+    a_plain, a_shared = (next(r for r in p.roles if r.role == "actor") for p in (plain, shared))
+    assert a_shared.activations - a_plain.activations == pytest.approx(
+        28 * (5120 * (linear + probabilities) - 2 * 3072 * linear))
+
+
 @pytest.mark.parametrize("name", SPECS)
 def test_real_specs_validate_and_plan_here(name, capsys):
     assert rlx(["validate", SPECS[name]]) == 0

@@ -423,6 +423,7 @@ def rm_trainer(tiny_assets, tmp_path_factory):
     cfg = load_job("yaml_configs/quickstart_cpu.yaml", [
         f"model.path={model}", f"data.train_files=[{data}]", "data.val_files=[]", "trainer.val_every=0",
         f"trainer.run_dir={root / 'run'}", "trainer.logger=[jsonl]", "resources.pools={actor: 1, rollout: 1}",
+        "resources.num_cpus=2",  # one rank per Megatron role, one role at a time: 2 math threads each
         "actor.tp=1", "actor.loss.kl_coeff=0", "actor.micro_batch_size=8", "data.batch_size=4", "rollout.n=4",
         "rollout.max_response_length=6", "algorithm.adv_estimator=reinforce_plus_plus",
         f"reward.model.path={rm}", "reward.model.micro_batch_size=4", f"reward.process.path={prm}",
@@ -492,3 +493,15 @@ def test_rm_and_prm_score_a_reinforce_plus_plus_step(rm_trainer):
     for key in ("reward/rule_mean", "reward/rm_mean", "reward/prm_mean", "reward/prm_steps_mean", "reward/mean",
                 "reward/trained_mean", "actor/pg_loss"):
         assert math.isfinite(step[key]), key
+
+
+@pytest.mark.e2e
+def test_a_megatron_rank_computes_with_its_share_of_the_cores(rm_trainer):
+    """resources.num_cpus=2 and the synchronous loop: the actor, the RM and the PRM (one rank each,
+    computing one role at a time) each get both cores (launch/compose.py job_threads), and their
+    ranks compute with 2 torch threads, not the one a Ray worker starts with (the group also checks
+    this itself when it starts)."""
+    trainer, _, _ = rm_trainer
+    roles = {"actor": trainer.roles.actor, **trainer.roles.reward}
+    assert sorted(roles) == ["actor", "prm", "rm"]
+    assert {name: role.math_threads() for name, role in roles.items()} == {name: [2] for name in roles}
