@@ -173,10 +173,10 @@ class FakeRollout:
     def generate(self, prompt_ids, n, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=256, seed=None):
         from rlcore.batch import Trajectory
 
-        if seed == self.fail_seed:
+        if seed is not None and seed == self.fail_seed:
             raise RuntimeError(f"generation with seed {seed} failed")
-        self.seeds.append(seed)
-        g = torch.Generator().manual_seed(seed * 31 + self.version)
+        self.seeds.append(seed)  # None: a greedy call (ReMax's baseline)
+        g = torch.Generator().manual_seed((seed or 0) * 31 + self.version)
         return [Trajectory(i, list(p), torch.randint(3, 13, (1 + j % 2,), generator=g).tolist(),
                            (-torch.rand(1 + j % 2, generator=g, dtype=torch.float64)).tolist(),
                            "length", self.version)
@@ -233,11 +233,12 @@ def _same(a, b) -> bool:
         eq(getattr(a, f), getattr(b, f)) for f in ("prompts", "trajs", "scores", "baseline_scores", "token_rewards"))
 
 
-def test_trainer_checkpoint_keeps_the_queued_batches_and_a_resume_trains_on_them(tmp_path, tiny_assets):
+@pytest.mark.parametrize("estimator", ["grpo", "remax"])  # remax: with the greedy baseline's scores
+def test_trainer_checkpoint_keeps_the_queued_batches_and_a_resume_trains_on_them(tmp_path, tiny_assets, estimator):
     from rlcore.checkpoint import CONTROLLER, QUEUED
 
     rollout = FakeRollout()
-    cfg, trainer = _trainer(tmp_path, tiny_assets, 2, rollout)
+    cfg, trainer = _trainer(tmp_path, tiny_assets, 2, rollout, f"algorithm.adv_estimator={estimator}")
     try:
         before = _train_steps(trainer, rollout, [1, 2])
         state = _save_and_load(trainer, cfg, tmp_path, 2)
@@ -251,7 +252,7 @@ def test_trainer_checkpoint_keeps_the_queued_batches_and_a_resume_trains_on_them
 
     resumed_rollout = FakeRollout()
     resumed_rollout.version = 2  # the restored weights, synced by Trainer.resume
-    cfg2, resumed = _trainer(tmp_path, tiny_assets, 2, resumed_rollout)
+    cfg2, resumed = _trainer(tmp_path, tiny_assets, 2, resumed_rollout, f"algorithm.adv_estimator={estimator}")
     try:
         resumed.load_state_dict(state)
         after = _train_steps(resumed, resumed_rollout, [3, 4, 5])
@@ -259,7 +260,9 @@ def test_trainer_checkpoint_keeps_the_queued_batches_and_a_resume_trains_on_them
         resumed.rollouts.close()
     # Batches 3 and 4 come from the checkpoint, bitwise (made by versions 0 and 1, which the resumed run
     # never had); batch 5 is sampled on version 2 as in the uninterrupted run (and 6, 7 ahead, on 3 and 4).
-    assert resumed_rollout.seeds == [cfg.trainer.seed * 100_003 + b for b in (5, 6, 7)] == rollout.seeds[-3:]
+    sampled = [seed for seed in resumed_rollout.seeds if seed is not None]
+    assert sampled == [cfg.trainer.seed * 100_003 + b for b in (5, 6, 7)] == [s for s in rollout.seeds if s][-3:]
+    assert (after[0].baseline_scores is not None) == (estimator == "remax")
     assert [t.weight_version for s in after for t in s.trajs[:1]] == [0, 1, 2]
     assert all(_same(a, b) for a, b in zip(after, whole[2:])), "the resumed run trains on other batches"
     assert after[0].metrics["reward/mean"] == whole[2].metrics["reward/mean"]
