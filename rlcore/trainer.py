@@ -57,7 +57,9 @@ class Samples:
                 "trajectories": {f.name: _column([getattr(t, f.name) for t in self.trajs])
                                  for f in dataclasses.fields(Trajectory)},
                 "scores": self.scores, "baseline_scores": self.baseline_scores,
-                "token_rewards": self.token_rewards, "metrics": dict(self.metrics)}
+                "token_rewards": self.token_rewards,
+                # plain numbers (a numpy scalar would not load with weights_only), the same values
+                "metrics": {k: v if type(v) in (int, float) else float(v) for k, v in self.metrics.items()}}
 
     @classmethod
     def from_saved(cls, saved: dict, dataset) -> "Samples":
@@ -388,7 +390,7 @@ class Trainer(StepLoop):
             self.rollouts.restore(restored)
             return
         # Sampled again: from before the first saved batch (an old checkpoint's "loader" is that already).
-        self.loader.load_state_dict(queued[0]["loader_before"] if queued and saved_k is not None else state["loader"])
+        self.loader.load_state_dict(queued[0]["loader_before"] if queued else state["loader"])
         if why is not None and (k > 0 or queued):
             log(f"checkpoint: no queued batches restored after step {step} ({why}); the next batches are "
                 f"sampled from the saved loader position by the restored weights (version {self.version})")
