@@ -7,7 +7,10 @@ Layout under ``trainer.checkpoint_dir`` (default ``<run_dir>/checkpoints``)::
       actor/                  megatron-core distributed checkpoint of the actor (model, optimizer,
                               lr scheduler): metadata.json, common.pt, .metadata, __<rank>_<i>.distcp
       critic/                 the same for the critic, when the job has one
-      controller.json         step, weight version, dataloader position, KL controller state
+      controller.json         step, weight version, dataloader position, KL controller state, and
+                              which batches were queued ahead (trainer.off_policy_steps > 0)
+      queued_batches.pt       those batches' samples (prompt indices, trajectories, scores, rewards,
+                              the metrics sampling reported), when any were queued
       rng.pt                  python / numpy / torch RNG states of the controller
       job.yaml                the resolved job spec that wrote it
       manifest.json           every file above with its size and CRC-32; written last inside the folder
@@ -20,8 +23,10 @@ checkpoint's name. Resuming checks every file against the manifest (sizes, then 
 truncated or corrupted file is named before any worker loads it; the cost is one read of the
 checkpoint per save and per resume.
 
-The loop is synchronous (rollout, update and weight sync finish inside a step), so at the end of a
-step there is no pending rollout data to save.
+With ``trainer.off_policy_steps = K > 0`` the batches after the step were sampled already, by
+weight versions no checkpoint holds; the controller state carries them (``QUEUED_KEY``: per batch its
+number, the loader position before it and its samples) and the samples go to ``queued_batches.pt``,
+tensors only (trajectories, never logits), so a resumed run trains on exactly those batches.
 """
 from __future__ import annotations
 
@@ -39,6 +44,8 @@ MANIFEST = "manifest.json"
 CONTROLLER = "controller.json"
 RNG = "rng.pt"
 JOB = "job.yaml"
+QUEUED = "queued_batches.pt"
+QUEUED_KEY = "queued_batches"  # in the controller state: [{"batch", "loader_before", "samples"}]
 TMP_PREFIX = ".tmp-"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -119,7 +126,27 @@ def verify_checkpoint(folder: str) -> dict:
         if rel not in files:
             raise CheckpointError(f"{os.path.join(folder, rel)}: missing from the checkpoint")
     with open(os.path.join(folder, CONTROLLER)) as f:
-        return json.load(f)
+        state = json.load(f)
+    if state.get(QUEUED_KEY) and QUEUED not in files:
+        raise CheckpointError(f"{os.path.join(folder, QUEUED)}: missing from the checkpoint, whose "
+                              f"{CONTROLLER} lists queued batches {[q['batch'] for q in state[QUEUED_KEY]]}")
+    return state
+
+
+def load_queued_samples(folder: str, state: dict) -> dict:
+    """``state`` (``folder``'s controller state) with each queued batch's samples read back from
+    ``queued_batches.pt``."""
+    queued = state.get(QUEUED_KEY)
+    if not queued:
+        return state
+    import torch
+
+    path = os.path.join(folder, QUEUED)
+    samples = torch.load(path, weights_only=True)
+    if not isinstance(samples, list) or len(samples) != len(queued):
+        raise CheckpointError(f"{path}: holds {len(samples) if isinstance(samples, list) else type(samples).__name__} "
+                              f"batches, {CONTROLLER} lists {len(queued)}")
+    return {**state, QUEUED_KEY: [{**q, "samples": s} for q, s in zip(queued, samples)]}
 
 
 # ---------------------------------------------------------------------------------------- saving
@@ -176,10 +203,14 @@ def save_checkpoint(checkpoint_dir: str, step: int, roles: dict, controller: dic
     os.makedirs(tmp)
     for role, group in roles.items():
         group.save_checkpoint(os.path.join(tmp, role))
-    with open(os.path.join(tmp, CONTROLLER), "w") as f:
-        json.dump({"format": FORMAT_VERSION, "roles": sorted(roles), **controller}, f, indent=1)
     import torch
 
+    queued = controller.get(QUEUED_KEY)
+    if queued:  # the samples to their tensor file; controller.json keeps which batches and where the loader was
+        torch.save([q["samples"] for q in queued], os.path.join(tmp, QUEUED))
+        controller = {**controller, QUEUED_KEY: [{k: v for k, v in q.items() if k != "samples"} for q in queued]}
+    with open(os.path.join(tmp, CONTROLLER), "w") as f:
+        json.dump({"format": FORMAT_VERSION, "roles": sorted(roles), **controller}, f, indent=1)
     torch.save(rng_states(), os.path.join(tmp, RNG))
     with open(os.path.join(tmp, JOB), "w") as f:
         f.write(job_yaml)
@@ -315,6 +346,7 @@ def resume(cfg, roles: dict, log: Callable[[str], None] = print) -> Optional[dic
     if found is None:
         return None
     folder, state = found
+    state = load_queued_samples(folder, state)
     for name in roles:
         role_dir = os.path.join(folder, name)
         if not os.path.isdir(role_dir):

@@ -15,15 +15,25 @@ K = 0 is the synchronous loop: ``take`` samples inline, on the caller's thread.
 
 The queue knows nothing of Ray or the roles: ``sample_fn(b)`` is the trainer's own sampling (rollout,
 reward scoring, dynamic sampling, baseline rollouts), ``loader_state_fn()`` the prompt loader's
-position. A checkpoint saved after step ``k`` stores the loader position from before batch ``k + 1``
-was drawn (``loader_state_before``), so a resumed run draws the same prompts again and regenerates
-the queued batches (with the restored weights: fresher than the uninterrupted run's, see README).
+position. A checkpoint saved after step ``k`` holds the batches ``k + 1 .. k + K``, complete by then
+(``saved_batches``): they were made by weight versions that exist nowhere after a resume, so a resumed
+run gets them back as done batches (``restore``) and trains on exactly what the uninterrupted run
+trained on, submitting batch ``k + K + 1`` on version ``k`` as that run did.
 """
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
+
+
+@dataclass
+class SavedBatch:
+    """A queued batch as a checkpoint keeps it: its number, the loader position from before it was
+    drawn, and what ``sample_fn`` returned for it."""
+    batch: int
+    loader_before: Optional[dict]
+    samples: Any
 
 
 @dataclass
@@ -75,12 +85,34 @@ class RolloutQueue:
         if self._pending:
             wait([queued.future for queued in self._pending.values()])
 
-    def loader_state_before(self) -> Optional[dict]:
-        """The loader position from before the oldest queued batch was drawn (None when nothing is
-        queued: the loader's own position is then the right one). Call after ``wait_idle``."""
-        if not self._pending:
-            return None
-        return self._pending[min(self._pending)].loader_state
+    def saved_batches(self) -> tuple[list[SavedBatch], Optional[dict]]:
+        """What a checkpoint keeps of the queue (call after ``wait_idle``): the queued batches in order,
+        up to the first whose sampling failed (never saved: a resumed run samples it again and meets
+        its error at its step), and the loader position to continue drawing from after them: the one
+        from before the failed batch was drawn, or None when none failed (the loader's own position is
+        then the right one)."""
+        saved: list[SavedBatch] = []
+        for batch in sorted(self._pending):
+            queued = self._pending[batch]
+            if queued.future.exception() is not None:
+                return saved, queued.loader_state
+            saved.append(SavedBatch(batch, queued.loader_state, queued.future.result()))
+        return saved, None
+
+    def restore(self, saved: list[SavedBatch]) -> None:
+        """Queues ``saved`` (consecutive batches from a checkpoint) as done batches: ``take`` returns
+        them at their steps and submits the batches after them."""
+        if self.off_policy_steps == 0 or self._pending or self._next is not None:
+            raise RuntimeError("rollout queue: restore needs an empty queue with trainer.off_policy_steps > 0")
+        batches = [s.batch for s in saved]
+        if batches and batches != list(range(batches[0], batches[0] + len(batches))):
+            raise RuntimeError(f"rollout queue: the saved batches {batches} are not consecutive")
+        for s in saved:
+            done: Future = Future()
+            done.set_result(s.samples)
+            self._pending[s.batch] = _Queued(done, s.loader_before)
+        if saved:
+            self._next = batches[-1] + 1
 
     def close(self) -> None:
         """Waits for the batch in flight and drops the queued ones (the engines must be idle before

@@ -17,8 +17,9 @@ import time
 import pytest
 import torch
 
-from rlcore.checkpoint import (LATEST, MANIFEST, TMP_PREFIX, CheckpointError, find_resume_checkpoint,
-                               list_checkpoints, save_checkpoint, trim_metrics, verify_checkpoint)
+from rlcore.checkpoint import (LATEST, MANIFEST, QUEUED, QUEUED_KEY, TMP_PREFIX, CheckpointError,
+                               find_resume_checkpoint, list_checkpoints, load_queued_samples, save_checkpoint,
+                               trim_metrics, verify_checkpoint, write_manifest)
 from tests.procs import ProcessWatch, assert_none_left
 from tests.runs import QUICKSTART as SPEC, SMALL_STEPS, small_quickstart, small_quickstart_cmd, step_metrics
 
@@ -82,6 +83,26 @@ def test_corrupted_file_same_size_is_named(tmp_path):
         verify_checkpoint(str(tmp_path / "step_00000001"))
     with pytest.raises(CheckpointError, match="no usable checkpoint"):  # auto with nothing usable
         find_resume_checkpoint("auto", str(tmp_path), log=lambda m: None)
+
+
+def test_queued_batches_go_to_their_tensor_file_inside_the_manifest(tmp_path):
+    """The samples of batches queued ahead (trainer.off_policy_steps > 0): controller.json lists the
+    batches and their loader positions, queued_batches.pt holds the samples, checked like every file."""
+    samples = {"scores": torch.tensor([0.5, 1.0]), "trajectories": {"finish_reason": {"list": ["stop", "length"]}}}
+    controller = {"step": 1, "weight_version": 1, "loader": {"epoch": 0, "position": 16},
+                  QUEUED_KEY: [{"batch": 2, "loader_before": {"epoch": 0, "position": 8}, "samples": samples}]}
+    folder = save_checkpoint(str(tmp_path), 1, {}, controller, "trainer:\n  seed: 1\n", log=lambda m: None)
+    manifest = json.loads((tmp_path / "step_00000001" / MANIFEST).read_text())
+    assert set(manifest["files"]) == {"controller.json", "rng.pt", "job.yaml", QUEUED}
+    state = verify_checkpoint(folder)
+    assert state[QUEUED_KEY] == [{"batch": 2, "loader_before": {"epoch": 0, "position": 8}}]
+    back = load_queued_samples(folder, state)[QUEUED_KEY][0]["samples"]
+    assert torch.equal(back["scores"], samples["scores"]) and back["trajectories"] == samples["trajectories"]
+    os.remove(os.path.join(folder, QUEUED))
+    write_manifest(folder, 1)  # as if it had never been written
+    with pytest.raises(CheckpointError, match=r"queued_batches.pt: missing from the checkpoint, whose "
+                                              r"controller.json lists queued batches \[2\]"):
+        verify_checkpoint(folder)
 
 
 def test_never_and_empty_dir_start_fresh(tmp_path):
