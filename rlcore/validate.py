@@ -67,6 +67,7 @@ def validate(cfg: JobConfig, require_files: Optional[bool] = None) -> JobLayout:
     _check_pools(cfg)
     _check_checkpointable(cfg, device)
     _check_shared_prompt(cfg, device)
+    _check_partial_rollouts(cfg)
 
     a = cfg.actor
     actor = _role_layout(cfg, "actor", a.pool, a.tp, a.pp, a.vpp, a.pp_layers)
@@ -420,6 +421,13 @@ def _check_shared_prompt(cfg: JobConfig, device: str) -> None:
             raise ConfigError(f"{key}=true needs the cpu profile in this release (packed rows need an arbitrary "
                               f"attention mask; the {device} profile's TransformerEngine attention is causal-only "
                               "here); set it false")
+
+
+def _check_partial_rollouts(cfg: JobConfig) -> None:
+    # A sync mid-generation only exists when a batch generates while the actor trains.
+    if cfg.rollout.partial_rollouts and cfg.trainer.off_policy_steps < 1:
+        raise ConfigError(f"rollout.partial_rollouts=true needs trainer.off_policy_steps >= 1 (it is "
+                          f"{cfg.trainer.off_policy_steps}: nothing generates during a weight sync); set one of them")
 
 
 def _check_checkpointable(cfg: JobConfig, device: str) -> None:
