@@ -27,17 +27,24 @@ from tests.test_rollout_weight_sync import (MAX_LEN, _connect, _senders, _stage_
                                             hf_seq_logprobs)
 
 HOLD_AFTER = 3  # engine steps before the sync: the prefill's token and two more
+# The module's Ray cluster (logical GPUs): the unit tests' engine on a pool of its own, and the free
+# GPUs the e2e run's job reserves for itself (its actor 2, its rollout 1).
+MODULE_POOLS = {"partial": 1, "actor": 2, "rollout": 1}
 
 
 @pytest.fixture(scope="module")
-def setup(ray_pools, tmp_path_factory):
+def cluster(ray_pools):
+    return ray_pools(MODULE_POOLS, {"rollout": "partial"})
+
+
+@pytest.fixture(scope="module")
+def setup(cluster, tmp_path_factory):
     """A one-engine pool with partial rollouts on, started on model A; A, B (A with its final norm
     scaled) and C (unrelated) as HF models."""
     from transformers import AutoModelForCausalLM
 
     from rollout import RolloutPool
 
-    cluster = ray_pools({"rollout": 1}, {"rollout": "rollout"})
     root = tmp_path_factory.mktemp("partial")
     dir_a, dir_c = (make_tiny_model(str(root / name), seed=seed, max_position_embeddings=MAX_LEN)
                     for name, seed in (("a", 31), ("c", 32)))
@@ -120,7 +127,7 @@ def test_partial_rollouts_need_a_batch_generating_ahead(files):
 
 
 @pytest.mark.e2e
-def test_quickstart_with_partial_rollouts(tmp_path, tiny_assets):
+def test_quickstart_with_partial_rollouts(tmp_path, tiny_assets, cluster):
     """3 quickstart steps (answers of up to 8 tokens), one step ahead, with partial rollouts: batches
     2 and 3 are held after 2 engine steps until the sync of the step before lands, so on the whole
     stack (the trainer's threads, the shm transport, vLLM-CPU's reload) that sync pauses a generation
@@ -152,8 +159,7 @@ def test_quickstart_with_partial_rollouts(tmp_path, tiny_assets):
         trainer.fit()
     finally:
         if trainer is not None:
-            trainer.shutdown()
-        ray.shutdown()
+            trainer.shutdown()  # its pools too; the module's Ray cluster stays up until the module ends
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and len(calls) == 3
     assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]  # the first token's version
