@@ -12,9 +12,11 @@ as it was. ``restarts`` counts them for the run (``rollout/engine_restarts``); t
 Restarts happen on the thread that built this object (the trainer's). A generation that runs ahead
 on the rollout queue's producer thread (``trainer.off_policy_steps`` > 0) is not restarted there: the
 actor trains meanwhile, so the weights its version needs are gone; that death stops the run. With
-``rollout.partial_rollouts`` a sync may find an engine dead while such a generation runs on the
-pool: the generation cannot be finished (its requests died with the engine, and the weights of its
-first tokens are gone), so neither is restarted; that death stops the run too.
+``rollout.partial_rollouts`` the sync does not wait for that generation, so it may find the engine
+dead while the generation is still in flight: it cannot be finished (its requests died with the
+engine, the weights of its first tokens are gone), and the sync does not restart the engine either;
+that death stops the run too. (If the generation's failure came first, the sync restarts the engine
+as without partial rollouts, and the run stops at the step of the failed batch, as then.)
 """
 from __future__ import annotations
 
