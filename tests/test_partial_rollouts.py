@@ -120,6 +120,44 @@ def test_no_stale_prefix_cache_after_a_partial_rollout(setup):
     assert pool.versions() == [v + 2]
 
 
+def test_an_engine_dying_under_a_partial_rollout_stops_the_run(setup):
+    """The restart policy with a generation in flight on another thread (the producer's, held on the
+    engine): a dead engine reported by the sync is not restarted, in one sentence; the engine then
+    really dies (SIGKILL) and the held generation stops with the sentence of a death ahead of its
+    step. The last test on the module's engine: it kills it."""
+    import os
+    import signal
+
+    from rlcore.engine_restarts import EngineRestarts
+    from rlcore.faults import EngineDied
+
+    pool = setup["pool"]
+    # The actor (the sync's sender) is never reached: the policy decides before any sync is redone.
+    restarts = EngineRestarts(None, pool, RolloutConfig(engines=1, partial_rollouts=True, engine_timeout_s=120))
+    pool.hold_after_steps(2)
+    raised = {}
+
+    def produce():
+        try:
+            restarts.generate([[1, 5, 6, 7]], n=2, max_tokens=8)
+        except EngineDied as e:
+            raised["generation"] = e
+
+    producer = threading.Thread(target=produce, daemon=True)
+    producer.start()
+    assert pool.wait_held(300) == [True]
+    with pytest.raises(EngineDied) as err:  # what the trainer's sync calls when it meets a dead engine
+        restarts._replace(EngineDied([0], "the weight sync to version 9"))
+    assert str(err.value) == (
+        "rollout engine 0 died during the weight sync to version 9 (its process exited) while a batch generated "
+        "ahead on the engines (rollout.partial_rollouts), so that batch cannot be finished and the engine is not "
+        "restarted: stopping, the last checkpoint is intact")
+    os.kill(pool.pids()[0], signal.SIGKILL)
+    producer.join(300)
+    assert str(raised["generation"]).startswith("rollout engine 0 died during generation ahead of its step")
+    assert restarts.restarts == 0
+
+
 def test_partial_rollouts_need_a_batch_generating_ahead(files):
     message = validate_error(files, "rollout.partial_rollouts=true")
     assert_in(message, "rollout.partial_rollouts=true needs trainer.off_policy_steps >= 1 (it is 0")
