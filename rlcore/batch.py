@@ -13,6 +13,7 @@ Conventions (every role relies on them):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -58,7 +59,15 @@ class Trajectory:
     response_ids: list[int]
     response_logprobs: list[float]  # the engine's log-prob of each response token
     finish_reason: str  # "stop" (EOS or a stop token) or "length"
-    weight_version: int  # the weight-sync version of the weights that sampled it
+    weight_version: int  # the weight-sync version that sampled its first token: the oldest of its tokens
+    # The version that sampled each response token (non-decreasing). More than one version only with
+    # rollout.partial_rollouts, where a weight sync lands mid-generation; None: all by weight_version.
+    token_versions: Optional[list[int]] = None
+
+    @property
+    def spans_versions(self) -> bool:
+        """Whether weights of more than one version sampled its tokens (a partial rollout)."""
+        return self.token_versions is not None and len(set(self.token_versions)) > 1
 
 
 def build_batch(trajs: list[Trajectory], pad_id: int) -> Batch:

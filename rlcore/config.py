@@ -200,6 +200,12 @@ class RolloutConfig:
     # ready/done signals), and the controller for a whole group setup or sync: a peer that vanished
     # is an error naming it, not a hang
     sync_timeout_s: float = 600.0
+    # Partial rollouts (needs trainer.off_policy_steps >= 1): a weight sync does not wait for the batch
+    # generating ahead; the engines pause it between two engine steps, keep its running requests and
+    # their KV cache, load the new version and go on, so a trajectory's later tokens are sampled by
+    # newer weights (Trajectory.token_versions). Runs are no longer reproducible (where the pause
+    # lands depends on timing)
+    partial_rollouts: bool = False
 
 
 @dataclass

@@ -11,7 +11,12 @@ as it was. ``restarts`` counts them for the run (``rollout/engine_restarts``); t
 
 Restarts happen on the thread that built this object (the trainer's). A generation that runs ahead
 on the rollout queue's producer thread (``trainer.off_policy_steps`` > 0) is not restarted there: the
-actor trains meanwhile, so the weights its version needs are gone; that death stops the run.
+actor trains meanwhile, so the weights its version needs are gone; that death stops the run. With
+``rollout.partial_rollouts`` the sync does not wait for that generation, so it may find the engine
+dead while the generation is still in flight: it cannot be finished (its requests died with the
+engine, the weights of its first tokens are gone), and the sync does not restart the engine either;
+that death stops the run too. (If the generation's failure came first, the sync restarts the engine
+as without partial rollouts, and the run stops at the step of the failed batch, as then.)
 """
 from __future__ import annotations
 
@@ -39,16 +44,27 @@ class EngineRestarts:
         self.restarts = 0  # in this run (this process): rollout/engine_restarts
         self.version = 0  # the weight version every engine holds: the last completed sync's
         self._thread = threading.get_ident()
+        self._ahead = 0  # generations in flight on other threads (the rollout queue's producer)
+        self._ahead_lock = threading.Lock()
 
     def generate(self, prompt_ids: list[list[int]], **sampling):
         """``rollout.generate``; after a dead engine was replaced and given version ``self.version``,
         the same call again."""
-        while True:
-            try:
-                return self.rollout.generate(prompt_ids, **sampling)
-            except EngineDied as died:
-                self._replace(died)
-                self.sync_weights(self.version)
+        ahead = threading.get_ident() != self._thread
+        if ahead:
+            with self._ahead_lock:
+                self._ahead += 1
+        try:
+            while True:
+                try:
+                    return self.rollout.generate(prompt_ids, **sampling)
+                except EngineDied as died:
+                    self._replace(died)
+                    self.sync_weights(self.version)
+        finally:
+            if ahead:
+                with self._ahead_lock:
+                    self._ahead -= 1
 
     def sync_weights(self, version: int) -> list:
         """The actor's current weights into every engine as ``version``; redone after a dead engine was
@@ -72,6 +88,11 @@ class EngineRestarts:
                                  " while the actor trained (trainer.off_policy_steps > 0), so the weights its "
                                  "batch needs are gone and it is not restarted: stopping, the last checkpoint "
                                  "is intact") from died
+            if self._ahead:  # only with rollout.partial_rollouts: a sync while a batch generates ahead
+                raise EngineDied(died.engines, died.during, died.cause,
+                                 " while a batch generated ahead on the engines (rollout.partial_rollouts), so that "
+                                 "batch cannot be finished and the engine is not restarted: stopping, the last "
+                                 "checkpoint is intact") from died
             if self.restarts + len(died.engines) > self.cfg.max_engine_restarts:
                 raise EngineDied(died.engines, died.during, died.cause,
                                  f" after {self.restarts} engine restart(s) in this run, the limit of "

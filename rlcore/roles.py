@@ -100,7 +100,8 @@ class TrainableRole(ForwardRole, Protocol):
 @runtime_checkable
 class Generator(Protocol):
     """The rollout engines: samples with the engine's log-prob of every token and the weight
-    version that made it."""
+    version that sampled it (``Trajectory.token_versions``; more than one per trajectory only when a
+    weight sync lands mid-generation, ``rollout.partial_rollouts``)."""
 
     def generate(self, prompt_ids: list[list[int]], n: int, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = -1, max_tokens: int = 256, seed: Optional[int] = None) -> list[Trajectory]: ...

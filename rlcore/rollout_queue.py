@@ -9,7 +9,8 @@ for the engines to go idle before the weight sync to version ``k``. Step ``k`` t
 ever dropped for staleness, and which version made which batch does not depend on timing (runs stay
 reproducible). One thread, one batch in flight at a time: the engines serve one call at a time
 anyway, and a weight sync or a validation never overlaps a generation because the controller runs
-them only after ``wait_idle``.
+them only after ``wait_idle`` (except the sync with ``rollout.partial_rollouts``: the engines pause
+the generation between two of their steps for it, and the run is no longer reproducible).
 
 K = 0 is the synchronous loop: ``take`` samples inline, on the caller's thread.
 

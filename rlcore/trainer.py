@@ -5,7 +5,9 @@
 
 With ``trainer.off_policy_steps = K > 0`` the first two arrows run ahead on a background thread
 (``rlcore/rollout_queue.py``): step k's batch was sampled by weight version max(0, k - 1 - K) while
-the actor trained on earlier batches; everything after them is the same code.
+the actor trained on earlier batches; everything after them is the same code. With
+``rollout.partial_rollouts`` the weight sync does not wait for the batch generating ahead: its
+later tokens are sampled by the new version (its first token's version stays the staleness one).
 
 The roles arrive built (``launch/compose.py`` is the composition root); the trainer knows them only
 as ``rlcore.roles`` protocols, and the task (tokenizer, datasets, reward function) as a ``Task``.
@@ -98,10 +100,13 @@ class Trainer(StepLoop):
             m.update(update)
         if on_policy:
             batch["old_logprobs"] = update.outputs["logprobs"]
-        with timer("rollout_wait", m):  # for the batch generating ahead: the engines must be idle to sync
-            self.rollouts.wait_idle()
+        with timer("rollout_wait", m):  # for the batch generating ahead: the engines must be idle to sync,
+            if not cfg.rollout.partial_rollouts:  # unless they pause it between two engine steps
+                self.rollouts.wait_idle()
         with timer("weight_sync", m):
-            self.sync_weights(self.version + 1)
+            reports = self.sync_weights(self.version + 1)
+        if cfg.rollout.partial_rollouts:  # whether this sync paused a generation (else it found the engines idle)
+            m["rollout/sync_mid_generation"] = float(any(r.get("mid_generation") for r in reports))
         m.update(batch_metrics(batch, s.trajs, total_rewards(s.scores, s.token_rewards)))
         m.update(self.nonfinite.metrics())
         m.update({"weights/version": float(self.version), "rollout/engine_restarts": float(self.engines.restarts),
@@ -227,10 +232,12 @@ class Trainer(StepLoop):
                 n_steps += 1
         return UpdateResult({k: v / n_steps for k, v in totals.items()}, result.outputs if n_steps == 1 else {})
 
-    def sync_weights(self, version: int) -> None:
-        """The actor's current weights to every rollout engine, as weight version ``version``."""
-        self.engines.sync_weights(version)
+    def sync_weights(self, version: int) -> list[dict]:
+        """The actor's current weights to every rollout engine, as weight version ``version``; the
+        engines' reports."""
+        reports = self.engines.sync_weights(version)
         self.version = version
+        return reports
 
     # ---------------------------------------------------------------------------------- helpers
     def score(self, prompts: list[PromptItem], trajs: list[Trajectory], step: int | None = None,
@@ -327,4 +334,6 @@ def batch_metrics(batch: Batch, trajs: list[Trajectory], scores: torch.Tensor) -
         "rollout/logprob_diff_max": diff.max().item(),
         "rollout/logprob_diff_mean": diff.mean().item(),
         "rollout/weight_version": float(min(tr.weight_version for tr in trajs)),
+        # Trajectories whose tokens more than one weight version sampled (rollout.partial_rollouts).
+        "rollout/multi_version_frac": sum(tr.spans_versions for tr in trajs) / len(trajs),
     }

@@ -66,6 +66,7 @@ def validate(cfg: JobConfig, require_files: Optional[bool] = None) -> JobLayout:
     model = _read_model(cfg.model.path, None if require_files else cfg.model.hf_config)
     _check_pools(cfg)
     _check_checkpointable(cfg, device)
+    _check_partial_rollouts(cfg)
 
     a = cfg.actor
     actor = _role_layout(cfg, "actor", a.pool, a.tp, a.pp, a.vpp, a.pp_layers)
@@ -404,6 +405,13 @@ def _check_micro_batch_shapes(cfg: JobConfig, role: str, layout: RoleLayout) -> 
         key = f"{role}.shared_prompt" if shared else f"{role}.max_tokens_per_micro_batch"
         raise ConfigError(f"{key} with {role}.vpp={layout.vpp}: the interleaved pipeline schedule needs every "
                           "micro-batch in the same shape; use vpp=1 or turn it off")
+
+
+def _check_partial_rollouts(cfg: JobConfig) -> None:
+    # A sync mid-generation only exists when a batch generates while the actor trains.
+    if cfg.rollout.partial_rollouts and cfg.trainer.off_policy_steps < 1:
+        raise ConfigError(f"rollout.partial_rollouts=true needs trainer.off_policy_steps >= 1 (it is "
+                          f"{cfg.trainer.off_policy_steps}: nothing generates during a weight sync); set one of them")
 
 
 def _check_checkpointable(cfg: JobConfig, device: str) -> None:

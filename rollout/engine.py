@@ -7,10 +7,18 @@ tensors reach the worker by reference. The same code serves both device profiles
   the engine's tp workers are child processes (vLLM's multiprocessing executor), each with its share
   of the cores (bound to its own block of them when the share fits, `cpu_threads_bind`);
 - gpu: vllm, bf16, NCCL weight-sync groups, KV cache by ``cfg.gpu_memory_utilization``.
+
+``generate`` drives the engine itself, one engine step (schedule, forward, sample) at a time under
+``_engine_lock``, which every other engine call takes too. With ``rollout.partial_rollouts`` the pool
+runs the actor with two threads, so a weight sync (``receive_weights``) can arrive while a generation
+runs: it waits for the step in flight, loads the new weights, and the generation goes on with its
+running requests and their KV cache; each token records the version that sampled it. Never two
+engine steps at once, never a sync inside one.
 """
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 from rlcore import worker_logs
@@ -68,6 +76,12 @@ class VLLMEngine:
         self.profile, self.dtype, self.engine_index = profile, dtype, engine_index
         self.cfg = cfg
         self._version = 0
+        # One engine call at a time (module docstring); a generation releases it between its steps.
+        self._engine_lock = threading.Lock()
+        # A sync landed mid-generation: the prefix cache is reset once that generation is done.
+        self._prefix_cache_stale = False
+        self._requests = 0  # request ids: unique over the engine's life
+        self._hold: dict | None = None  # hold_after_steps (tests)
         # Must be set before vLLM is imported: the engine core in this process, not a child.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         kwargs: dict = {}
@@ -124,6 +138,10 @@ class VLLMEngine:
                                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
+        if cfg.partial_rollouts:
+            # Async scheduling returns a step's tokens while the next step's forward already runs: a
+            # sync between two step() calls would then land inside a step, under the wrong version.
+            kwargs["async_scheduling"] = False
         self.llm = LLM(
             model=model_path, dtype=dtype, tensor_parallel_size=cfg.tp, enforce_eager=cfg.enforce_eager,
             # Distinct per engine: the same seed everywhere would make engines draw identical samples.
@@ -152,35 +170,112 @@ class VLLMEngine:
     def generate(self, prompt_ids: list[list[int]], n: int, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = -1, max_tokens: int = 256, seed: int | None = None) -> list[Trajectory]:
         """``n`` samples per prompt, consecutive per prompt. ``seed`` (optional) makes the call
-        reproducible: prompt i's samples use seeds ``seed + i * n + j``."""
+        reproducible: prompt i's samples use seeds ``seed + i * n + j`` (what vLLM gives the n child
+        requests of one request seeded ``seed + i * n``). Every token records the weight version
+        that sampled it (``Trajectory.token_versions``)."""
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         _check_prompts(prompt_ids, "prompt_ids")
         if n < 1 or max_tokens < 1:
             raise ValueError(f"generate: n={n} and max_tokens={max_tokens} must be >= 1")
-        params = []
-        for i in range(len(prompt_ids)):
-            params.append(SamplingParams(
-                n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                # logprobs=0: only the sampled token's log-prob.
-                logprobs=0, seed=None if seed is None else seed + i * n, detokenize=False))
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
+        engine = self.llm.llm_engine
+        samples: dict[str, _Sample] = {}
+        with self._engine_lock:
+            if engine.has_unfinished_requests():
+                raise RuntimeError("generate: the engine is running another generation (one call at a time)")
+            for i, prompt in enumerate(prompt_ids):
+                # The prompt rendered once, by the helper LLM.generate uses (vLLM 0.32's, private); its n
+                # samples are requests of their own, as vLLM fans them out itself.
+                rendered = self.llm._preprocess_cmpl_one({"prompt_token_ids": prompt})
+                for j in range(n):
+                    request_id = f"rlx-{self._requests}"
+                    self._requests += 1
+                    samples[request_id] = _Sample(i, j)
+                    engine.add_request(request_id, rendered, SamplingParams(
+                        n=1, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                        # logprobs=0: only the sampled token's log-prob; DELTA: each step's new tokens,
+                        # so each is stamped with the version that sampled it.
+                        logprobs=0, seed=None if seed is None else seed + i * n + j, detokenize=False,
+                        output_kind=RequestOutputKind.DELTA))
+        try:
+            self._run(samples)
+        except BaseException:
+            with self._engine_lock:
+                unfinished = [r for r, smp in samples.items() if smp.finish_reason is None]
+                if unfinished:
+                    engine.abort_request(unfinished)
+                self._reset_stale_prefix_cache()
+            raise
         trajectories = []
-        for i, (prompt, out) in enumerate(zip(prompt_ids, outputs)):
-            if len(out.outputs) != n:
-                raise RuntimeError(f"generate: vLLM returned {len(out.outputs)} samples for prompt {i}, asked {n}")
-            for c in sorted(out.outputs, key=lambda c: c.index):
-                if c.finish_reason not in ("stop", "length"):
-                    raise RuntimeError(f"generate: prompt {i} sample {c.index} finished with "
-                                       f"{c.finish_reason!r} (expected stop or length)")
-                ids = list(c.token_ids)
-                if c.logprobs is None or len(c.logprobs) != len(ids):
-                    raise RuntimeError(f"generate: prompt {i} sample {c.index}: no log-prob per response token")
-                trajectories.append(Trajectory(
-                    prompt_index=i, prompt_ids=list(prompt), response_ids=ids,
-                    response_logprobs=[float(d[t].logprob) for d, t in zip(c.logprobs, ids)],
-                    finish_reason=c.finish_reason, weight_version=self._version))
+        for smp in sorted(samples.values(), key=lambda smp: (smp.prompt, smp.index)):
+            if smp.finish_reason not in ("stop", "length"):
+                raise RuntimeError(f"generate: prompt {smp.prompt} sample {smp.index} finished with "
+                                   f"{smp.finish_reason!r} (expected stop or length)")
+            if len(smp.logprobs) != len(smp.tokens):
+                raise RuntimeError(f"generate: prompt {smp.prompt} sample {smp.index}: no log-prob per response token")
+            trajectories.append(Trajectory(
+                prompt_index=smp.prompt, prompt_ids=list(prompt_ids[smp.prompt]), response_ids=smp.tokens,
+                response_logprobs=smp.logprobs, finish_reason=smp.finish_reason,
+                weight_version=smp.versions[0] if smp.versions else self._version, token_versions=smp.versions))
         return trajectories
+
+    def _run(self, samples: dict[str, "_Sample"]) -> None:
+        """Engine steps until ``samples`` are finished, each step under the lock (a sync waits for it
+        and runs before the next one)."""
+        engine, steps = self.llm.llm_engine, 0
+        while True:
+            with self._engine_lock:
+                if not engine.has_unfinished_requests():
+                    self._reset_stale_prefix_cache()
+                    break
+                outputs = engine.step()
+                for out in outputs:
+                    smp = samples.get(out.request_id)
+                    if smp is None:
+                        raise RuntimeError(f"generate: vLLM returned request {out.request_id!r}, "
+                                           "not one of this call's")
+                    (c,) = out.outputs
+                    ids = list(c.token_ids)
+                    if c.logprobs is None or len(c.logprobs) != len(ids):
+                        raise RuntimeError(f"generate: prompt {smp.prompt} sample {smp.index}: no log-prob per "
+                                           "response token")
+                    smp.tokens += ids
+                    smp.logprobs += [float(d[t].logprob) for d, t in zip(c.logprobs, ids)]
+                    smp.versions += [self._version] * len(ids)  # syncs run between steps, never inside one
+                    if out.finished:
+                        smp.finish_reason = c.finish_reason
+                steps += 1
+            hold = self._hold
+            if hold is not None and steps == hold["after_steps"]:
+                hold["held"].set()
+                synced = hold["synced"].wait(self.cfg.sync_timeout_s)
+                self._hold = None
+                if not synced:
+                    raise RuntimeError(f"generate: held after {steps} steps for a weight sync that did not come "
+                                       f"within rollout.sync_timeout_s={self.cfg.sync_timeout_s:g} s")
+
+    def _reset_stale_prefix_cache(self) -> None:
+        """Once no request runs: drop the KV computed by weights older than the loaded ones (a sync
+        that landed mid-generation could only stop new hits on it). Call under the lock."""
+        if self._prefix_cache_stale:
+            if not self.llm.reset_prefix_cache():
+                raise RuntimeError("generate: vLLM could not reset the prefix cache after a partial rollout")
+            self._prefix_cache_stale = False
+
+    def hold_after_steps(self, after_steps: int) -> None:
+        """Test hook: the next generation stops after its ``after_steps``-th engine step (outside the
+        lock) until a weight sync has loaded new weights, so a test can land a sync exactly there.
+        Needs rollout.partial_rollouts (the actor's second thread takes the sync)."""
+        if after_steps < 1:
+            raise ValueError(f"hold_after_steps: after_steps={after_steps} must be >= 1")
+        self._hold = {"after_steps": after_steps, "held": threading.Event(), "synced": threading.Event()}
+
+    def wait_held(self, timeout_s: float) -> bool:
+        """Test hook: whether the generation stopped by ``hold_after_steps`` is held now (waits up to
+        ``timeout_s``)."""
+        hold = self._hold
+        return hold is not None and hold["held"].wait(timeout_s)
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """log p(token t | tokens < t) for every token of each fixed sequence; position 0 holds 0.0.
@@ -189,7 +284,8 @@ class VLLMEngine:
 
         _check_prompts(sequences, "sequences")
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
-        outputs = self.llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+        with self._engine_lock:
+            outputs = self.llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
         result = []
         for seq, out in zip(sequences, outputs):
             lps = out.prompt_logprobs
@@ -211,8 +307,9 @@ class VLLMEngine:
         engine's rank there (its vLLM worker w takes ``ranks[s] + w``), ``plans[s]`` the stage's
         buckets. Blocks until every member of every group has joined (at most each link's
         ``timeout_s``). A second call replaces the groups (a new actor or plan, a restarted engine)."""
-        out = self.llm.collective_rpc("rlx_init_weight_sync", args=(
-            list(links), list(ranks), plans, BACKENDS[self.profile]))
+        with self._engine_lock:
+            out = self.llm.collective_rpc("rlx_init_weight_sync", args=(
+                list(links), list(ranks), plans, BACKENDS[self.profile]))
         self._sync_ready = True
         return out[0]
 
@@ -221,21 +318,40 @@ class VLLMEngine:
         the prefix cache and records ``version``. Returns bytes and timings."""
         if not self._sync_ready:
             raise RuntimeError("receive_weights: call init_weight_sync first")
-        t0 = time.perf_counter()
-        per_worker = self.llm.collective_rpc("rlx_receive_weights")
-        # Cached KV was computed with the old weights; served after an update it is stale
-        # (log-probs off by up to 15 measured).
-        if not self.llm.reset_prefix_cache():
-            raise RuntimeError("receive_weights: vLLM could not reset the prefix cache (requests still running?)")
-        self._version = int(version)
+        with self._engine_lock:  # between two engine steps of a generation in flight, if any
+            t0 = time.perf_counter()
+            per_worker = self.llm.collective_rpc("rlx_receive_weights")
+            # Cached KV was computed with the old weights; served after an update it is stale
+            # (log-probs off by up to 15 measured).
+            mid_generation = self.llm.llm_engine.has_unfinished_requests()
+            if mid_generation:
+                self._stop_prefix_hits()
+            elif not self.llm.reset_prefix_cache():
+                raise RuntimeError("receive_weights: vLLM could not reset the prefix cache")
+            self._version = int(version)
+            hold = self._hold
+            if hold is not None and hold["held"].is_set():
+                hold["synced"].set()  # the generation held by hold_after_steps goes on, on the new weights
         stats = dict(per_worker[0])  # worker 0's; every worker of the engine received the same
-        stats.update(version=self._version, engine_index=self.engine_index, seconds=time.perf_counter() - t0)
+        stats.update(version=self._version, engine_index=self.engine_index, seconds=time.perf_counter() - t0,
+                     mid_generation=mid_generation)
         return stats
+
+    def _stop_prefix_hits(self) -> None:
+        """A sync mid-generation (partial rollouts): the running requests keep their KV blocks (that
+        is what a partial rollout is), but vLLM resets the prefix cache only when no block is in use.
+        Drop every block's hash instead (vLLM's own eviction: blocks in use stay allocated), so no
+        request admitted from now on is served KV of the old weights; the full reset follows when
+        the generation is done."""
+        kv_cache = self.llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
+        kv_cache.evict_blocks(set(range(len(kv_cache.block_pool.blocks))))
+        self._prefix_cache_stale = True
 
     def weight_checksums(self) -> dict[str, float]:
         """``rlcore.weight_sync.checksum`` of the loaded weights under HF names (full tensors, gathered
         over the engine's vLLM TP workers)."""
-        return self.llm.collective_rpc("rlx_weight_checksums")[0]
+        with self._engine_lock:
+            return self.llm.collective_rpc("rlx_weight_checksums")[0]
 
     @staticmethod
     def peak_memory_mb() -> float:
@@ -249,6 +365,17 @@ class VLLMEngine:
     def shutdown(self) -> None:
         self.llm.collective_rpc("rlx_close_weight_sync")
         self._sync_ready = False
+
+
+class _Sample:
+    """One sample (one vLLM request) of a generate call, as its steps arrive."""
+
+    def __init__(self, prompt: int, index: int):
+        self.prompt, self.index = prompt, index
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.finish_reason: str | None = None
 
 
 def _check_prompts(prompts: list[list[int]], what: str) -> None:

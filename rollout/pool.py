@@ -40,6 +40,10 @@ class RolloutPool:
         for e in range(cfg.engines):
             first = e * cfg.tp
             options = placement.actor_options(first)  # engine e starts on bundle e * tp
+            if cfg.partial_rollouts:
+                # A second thread takes the weight sync while a generation runs (the engine's lock
+                # puts the sync between two of its steps); otherwise one call at a time.
+                options["max_concurrency"] = 2
             bundles = None
             if cfg.tp > 1 and profile == "gpu":
                 # vLLM's Ray executor places the engine's tp workers on these bundles; the engine
@@ -164,6 +168,14 @@ class RolloutPool:
     def weight_checksums(self) -> list[dict[str, float]]:
         """One HF-named checksum dict per engine."""
         return self._await([(e, h.weight_checksums.remote()) for e, h in enumerate(self.engines)], "a weight check")
+
+    def hold_after_steps(self, after_steps: int) -> None:
+        """Test hook (``VLLMEngine.hold_after_steps``) on every engine."""
+        self._await([(e, h.hold_after_steps.remote(after_steps)) for e, h in enumerate(self.engines)], "a test hook")
+
+    def wait_held(self, timeout_s: float) -> list[bool]:
+        """Test hook (``VLLMEngine.wait_held``): per engine, whether its generation is held."""
+        return self._await([(e, h.wait_held.remote(timeout_s)) for e, h in enumerate(self.engines)], "a test hook")
 
     def versions(self) -> list[int]:
         return self._await([(e, h.version.remote()) for e, h in enumerate(self.engines)], "a version query")
