@@ -151,10 +151,12 @@ class TokenCounter:
 
 
 def run_bench(spec: str, overrides: list[str], steps: int, warmup: int, validate_around: bool = False,
-              matmul: bool = True, run_dir_suffix: str = "-bench") -> dict:
+              matmul: bool = True, run_dir_suffix: str = "-bench", sample_pss: bool = True) -> dict:
     """Builds the job's trainer here and runs ``warmup + steps`` steps. ``validate_around``: the
     greedy validation accuracy before the first and after the last step (``val_before``/``val_after``).
-    ``matmul``: measure the reference matmul rates too."""
+    ``matmul``: measure the reference matmul rates too. ``sample_pss``: sample the tree's summed PSS
+    while the steps run (every 0.5 s it reads every /proc/PID/stat and the tree's smaps_rollup, which
+    took 15-37% of a core from the timed phases on the 2-core box); off: ``peak_pss_mb`` is None."""
     import ray
 
     from launch.compose import build_trainer
@@ -169,7 +171,7 @@ def run_bench(spec: str, overrides: list[str], steps: int, warmup: int, validate
     hf = read_hf_config(cfg.model.path, cfg.model.hf_config)
     matmuls = measure_matmuls("cpu", "float32") if matmul and layout.device == "cpu" else []
     t0 = time.perf_counter()
-    pss = PeakTreePss().__enter__()  # this process and every one it starts (Ray, the roles), counted once
+    pss = PeakTreePss().__enter__() if sample_pss else None  # this process and every one it starts, counted once
     trainer = build_trainer(cfg, layout)
     startup_s = time.perf_counter() - t0
     val = {}
@@ -198,13 +200,15 @@ def run_bench(spec: str, overrides: list[str], steps: int, warmup: int, validate
             memory["critic"] = trainer.critic.peak_memory_mb()
         memory["rollout"] = trainer.rollout.peak_memory_mb()
     finally:
-        pss.__exit__(None, None, None)
+        if pss is not None:
+            pss.__exit__(None, None, None)
         trainer.shutdown()
         ray.shutdown()
     if matmul and layout.device == "gpu":  # the GPU is free again
         matmuls = measure_matmuls("gpu", layout.dtype)
     return dict(spec=spec, overrides=overrides, layout=layout, cfg=cfg, startup_s=startup_s,
-                warmup=warmup, measured=measured, memory=memory, peak_pss_mb=pss.mb, matmuls=matmuls,
+                warmup=warmup, measured=measured, memory=memory, matmuls=matmuls,
+                peak_pss_mb=pss.mb if pss is not None else None,
                 params=model_params(hf), **val)
 
 
@@ -274,8 +278,9 @@ def render(result: dict) -> str:
         lines.append(f"| {role} | {len(values)} | {', '.join(f'{v:.0f}' for v in values)} |")
     lines.append(f"| **all** | {sum(len(v) for v in result['memory'].values())} | "
                  f"**{sum(map(sum, result['memory'].values())):.0f}** |")
-    lines.append(f"| **counted once** (peak summed PSS of this process's tree: the roles and Ray's own "
-                 f"processes; shared pages once) | | **{result['peak_pss_mb']:.0f}** |")
+    if result["peak_pss_mb"] is not None:
+        lines.append(f"| **counted once** (peak summed PSS of this process's tree: the roles and Ray's own "
+                     f"processes; shared pages once) | | **{result['peak_pss_mb']:.0f}** |")
     diffs = [m["rollout/logprob_diff_max"] for m, *_ in measured if "rollout/logprob_diff_max" in m]
     if diffs:
         lines += ["", f"Largest engine/trainer log-prob gap over the measured steps: {max(diffs):.2g}."]
@@ -303,12 +308,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5, help="measured steps (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="steps run first and not measured (default 1)")
     p.add_argument("--no-matmul", action="store_true", help="skip the reference matmul loops (~2 s each)")
+    p.add_argument("--no-pss", action="store_true",
+                   help="do not sample the summed PSS while the steps run (the sampler takes CPU from the timed phases)")
     a = p.parse_args(argv)
     if a.steps < 1 or a.warmup < 0:
         p.error(f"--steps={a.steps} must be >= 1 and --warmup={a.warmup} >= 0")
     if not os.path.isfile(a.spec):
         p.error(f"job spec {a.spec!r} not found")
-    result = run_bench(a.spec, a.overrides, a.steps, a.warmup, matmul=not a.no_matmul)
+    result = run_bench(a.spec, a.overrides, a.steps, a.warmup, matmul=not a.no_matmul, sample_pss=not a.no_pss)
     raw = os.path.join(result["cfg"].trainer.run_dir, "bench.json")
     write_raw(result, raw)
     print(render(result))

@@ -1,0 +1,233 @@
+"""Where the actor's update spends its time: the job's real batches, then the update alone, rank by rank.
+
+    .venv/bin/python -m bench.update_breakdown yaml_configs/smollm2_math_cpu.yaml --steps 3 [key.sub=value ...]
+
+First ``--steps`` steps of the job run as in ``bench/e2e_step.py`` (Ray, Megatron, vLLM) and the
+batches the actor's update receives are kept; everything then shuts down. The actor's world is then
+started again as plain local processes (the same ``RoleSpec`` and math threads the composition root
+gives it, no Ray, no vLLM) and runs ``MegatronEngine.update`` on each kept batch (its DP shard), after
+one warm-up update. Inside every rank megatron's own pieces are timed: the schedule's forward and
+backward steps, the pipeline's p2p calls (mostly waiting for the other stage: fill, drain and
+imbalance), ``finalize_model_grads`` (the DP gradient all-reduce and the tied embedding's all-reduce
+between the first and last stage; with PP it also waits for the slower stage's last backward), the
+finite check (the grad norm), the optimizer step and the buffer zeroing. The table gives each rank's
+medians over the kept batches, and its stage's model FLOPs (counted as ``bench/e2e_step.py`` counts
+them) over its forward + backward time against a one-thread matmul measured first in the same run.
+
+``--profile`` also writes torch.profiler's op table of each rank's last update to
+``<trainer.run_dir>-breakdown/profile_rank<r>.txt``.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import os
+import socket
+import statistics
+import sys
+import time
+
+PIECES = (("fwd", "forward steps"), ("bwd", "backward steps"), ("p2p", "pipeline p2p (waits)"),
+          ("finalize", "finalize_model_grads (all-reduces)"), ("finite", "finite check (grad norm)"),
+          ("optim", "optimizer step"), ("zero", "zero grad buffers"))
+
+
+def collect_batches(spec: str, overrides: list[str], steps: int, run_dir: str) -> tuple[list, object]:
+    """The batches (and loss config, head arguments) of the job's first ``steps`` actor updates."""
+    import ray
+
+    from launch.compose import build_trainer
+    from rlcore.job import load_job
+    from rlcore.validate import validate
+
+    cfg = load_job(spec, overrides)
+    cfg.trainer.val_every = 0
+    cfg.trainer.run_dir = run_dir
+    trainer = build_trainer(cfg, validate(cfg))
+    kept = []
+    update = trainer.actor.update
+
+    def keep(batch, loss_cfg, **head_args):
+        kept.append(({k: v.clone() for k, v in batch.items()}, loss_cfg, head_args))
+        return update(batch, loss_cfg, **head_args)
+
+    trainer.actor.update = keep
+    try:
+        for step in range(1, steps + 1):
+            trainer.train_step(step)
+    finally:
+        trainer.shutdown()
+        ray.shutdown()
+    return kept, cfg
+
+
+def _timed(table: dict, key: str, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            table[key] += time.perf_counter() - t0
+    return wrapper
+
+
+def _rank(rank: int, spec, port: int, kept: list, profile_dir: str | None, queue) -> None:
+    try:
+        queue.put((rank, _run_rank(rank, spec, port, kept, profile_dir)))
+    except BaseException as e:  # the parent must not wait forever for a rank that failed
+        queue.put((rank, f"{type(e).__name__}: {e}"))
+        raise
+
+
+def _run_rank(rank: int, spec, port: int, kept: list, profile_dir: str | None) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from megatron_workers.engine import MegatronEngine
+    from rlcore.batch import Batch
+
+    from bench.e2e_step import matmul_rate
+
+    engine = MegatronEngine(spec, rank)
+    engine.init("127.0.0.1", port)
+    table: dict = collections.defaultdict(float)
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
+
+    schedules.forward_step = _timed(table, "fwd", schedules.forward_step)
+    schedules.backward_step = _timed(table, "bwd", schedules.backward_step)
+    comm = p2p_communication.P2PCommunicator
+    for name in ("recv_forward", "recv_backward", "send_forward", "send_backward", "send_forward_recv_backward",
+                 "send_backward_recv_forward"):
+        setattr(comm, name, _timed(table, "p2p", getattr(comm, name)))
+    engine.config.finalize_model_grads_func = _timed(table, "finalize", engine.config.finalize_model_grads_func)
+    engine.optimizer.step = _timed(table, "optim", engine.optimizer.step)
+    engine._check_finite = _timed(table, "finite", engine._check_finite)
+    for ddp in engine.ddp_chunks:
+        ddp.zero_grad_buffer = _timed(table, "zero", ddp.zero_grad_buffer)
+    dist.barrier()
+    one_thread = matmul_rate(1, seconds=1.0)  # the same moment as the updates, on this rank's core
+    runs = []
+    for i, (batch, loss_cfg, head_args) in enumerate([kept[0]] + kept):  # the first: warm-up
+        shard = Batch(batch).shard(engine.dp_rank, engine.dp)
+        dist.barrier()
+        table.clear()
+        profiler = None
+        if profile_dir and i == len(kept):
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            profiler.__enter__()
+        t0 = time.perf_counter()
+        engine.update(shard, loss_cfg, head_args)
+        total = time.perf_counter() - t0
+        if profiler is not None:
+            profiler.__exit__(None, None, None)
+            with open(os.path.join(profile_dir, f"profile_rank{rank}.txt"), "w") as f:
+                f.write(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+        if i > 0:
+            runs.append(dict(table, total=total))
+    dist.barrier()
+    return dict(runs=runs, pp_rank=engine.pp_rank, dp_rank=engine.dp_rank, tp_rank=engine.tp_rank,
+                layers=len(engine.model_chunks[0].decoder.layers), head=engine.is_last_stage,
+                matmul_1t=one_thread)
+
+
+def stage_flops(hf, batch: dict, shared_prompt: bool, layers: int, head: bool, dp: int, dp_rank: int) -> float:
+    """Model FLOPs (forward + backward) of ``layers`` layers (+ the output layer when ``head``) on this
+    DP rank's shard, counted as bench/e2e_step.py counts the whole update."""
+    from bench.e2e_step import executed_rows, update_flops_per_row
+    from rlcore.batch import Batch
+
+    shard = Batch(batch).shard(dp_rank, dp)
+    total = 0.0
+    for tokens, scored in executed_rows(shard, shared_prompt):
+        body = update_flops_per_row(hf, tokens, 0)  # all layers, no output layer
+        out = update_flops_per_row(hf, tokens, scored) - body
+        total += body * layers / hf.num_layers + (out if head else 0.0)
+    return total
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("spec", help="job spec YAML")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    p.add_argument("--steps", type=int, default=3, help="job steps whose batches the updates replay (default 3)")
+    p.add_argument("--profile", action="store_true", help="torch.profiler op tables of the last update")
+    a = p.parse_args(argv)
+    if a.steps < 1:
+        p.error(f"--steps={a.steps} must be >= 1")
+    if not os.path.isfile(a.spec):
+        p.error(f"job spec {a.spec!r} not found")
+
+    import torch.multiprocessing as mp
+
+    from launch.compose import job_threads, role_spec
+    from rlcore.hf_config import read_hf_config
+    from rlcore.validate import validate
+
+    from rlcore.job import load_job
+
+    run_dir = load_job(a.spec, a.overrides).trainer.run_dir.rstrip("/") + "-breakdown"
+    kept, cfg = collect_batches(a.spec, a.overrides, a.steps, run_dir)
+    layout = validate(cfg)
+    if layout.device != "cpu":
+        p.error("the breakdown runs the actor's world as local processes: cpu profile only")
+    act = cfg.actor
+    spec = role_spec("actor", layout.actor, layout, cfg.model.path, act.micro_batch_size, cfg.trainer.seed,
+                     optim=act.optim, threads=job_threads(cfg, layout)["actor"], shared_prompt=act.shared_prompt,
+                     max_tokens_per_micro_batch=act.max_tokens_per_micro_batch)
+    profile_dir = run_dir if a.profile else None
+    os.makedirs(run_dir, exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, spec, port, kept, profile_dir, queue)) for r in range(spec.world_size)]
+    for proc in procs:
+        proc.start()
+    results = dict(queue.get() for _ in procs)
+    for proc in procs:
+        proc.join()
+    failed = {r: v for r, v in results.items() if isinstance(v, str)}
+    if failed:
+        print(f"ranks failed: {failed}", file=sys.stderr)
+        return 1
+
+    hf = read_hf_config(cfg.model.path, cfg.model.hf_config)
+    lay = layout.actor
+    print(f"`{a.spec}`{' ' + ' '.join(a.overrides) if a.overrides else ''}: actor TP{lay.tp} PP{lay.pp} DP{lay.dp}"
+          f"{' pp_layers ' + str(list(lay.pp_layers)) if lay.pp_layers else ''}, micro-batch {act.micro_batch_size}, "
+          f"{spec.threads} thread(s) per rank; the updates of {len(kept)} job steps replayed (medians, s); "
+          f"load average (1 min) at the end: {os.getloadavg()[0]:.1f}")
+    print()
+    ranks = sorted(results)
+    print("| | " + " | ".join(f"rank {r} (pp {results[r]['pp_rank']}, dp {results[r]['dp_rank']}: "
+                              f"{results[r]['layers']} layers{' + head' if results[r]['head'] else ''})"
+                              for r in ranks) + " |")
+    print("|---|" + "---:|" * len(ranks))
+    for key, label in PIECES + (("other", "other (micro-batch set-up, loss hooks, outputs)"), ("total", "**update**")):
+        cells = []
+        for r in ranks:
+            runs = results[r]["runs"]
+            if key == "other":
+                values = [x["total"] - sum(x.get(k, 0.0) for k, _ in PIECES) for x in runs]
+            else:
+                values = [x.get(key, 0.0) for x in runs]
+            cells.append(f"{statistics.median(values):.2f}")
+        print(f"| {label} | " + " | ".join(cells) + " |")
+    cells = []
+    for r in ranks:
+        res = results[r]
+        flops = [stage_flops(hf, batch, act.shared_prompt, res["layers"], res["head"], lay.dp, res["dp_rank"])
+                 for batch, _, _ in kept]
+        rate = sum(flops) / sum(x["fwd"] + x["bwd"] for x in res["runs"])
+        cells.append(f"{rate / 1e9:.0f} GFLOP/s = {rate / res['matmul_1t']:.2f} x {res['matmul_1t'] / 1e9:.0f}")
+    print("| stage FLOPs / (forward + backward) against a one-thread matmul | " + " | ".join(cells) + " |")
+    if profile_dir:
+        print(f"\n(op tables: {profile_dir}/profile_rank<r>.txt)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
