@@ -17,6 +17,10 @@ QUICKSTART = "yaml_configs/quickstart_cpu.yaml"
 # every resume must continue the optimizer and the schedule exactly (tests/test_lr_schedule.py reads its
 # lrs). lr_decay_steps is the 4-step run's 8, given so that a shorter run has the same lrs.
 SMALL_STEPS = 4
+# The quickstart with its actor and its reference on one rank each (TP1, a 1-GPU actor pool): two
+# Megatron processes fewer to start, about a third of a short run's CPU time, for the tests whose
+# subject is not the layout (test_e2e, test_console and the interrupted runs keep the quickstart's TP2).
+ONE_RANK = ("resources.pools.actor=1", "actor.tp=1")
 SMALL_SCHEDULE = ["actor.ppo_mini_batch_size=4", "actor.micro_batch_size=32", "actor.optim.lr_warmup_steps=2",
                   "actor.optim.lr_decay_style=cosine", "actor.optim.min_lr=1e-4", "actor.optim.lr_decay_steps=8"]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runs import step_metrics
+from tests.runs import ONE_RANK, step_metrics
 
 SPEC = "yaml_configs/quickstart_cpu.yaml"
 
@@ -177,7 +177,7 @@ def test_with_no_restarts_allowed_a_dead_engine_stops_the_run_with_one_sentence(
     model, data = tiny_assets
     run_dir = tmp_path / "run"
     cfg, layout = _job(model, data, run_dir, "trainer.total_steps=3", "trainer.save_every=1",
-                       "rollout.max_engine_restarts=0")
+                       "rollout.max_engine_restarts=0", *ONE_RANK)
     err = _fit_with_engine_killed_before_second_generation(cfg, layout)
     message = str(err.value)
     assert isinstance(err.value, RunStopped) and "\n" not in message
@@ -198,7 +198,7 @@ def test_an_engine_dying_in_a_generation_ahead_is_refused_with_one_sentence(tiny
     model, data = tiny_assets
     run_dir = tmp_path / "run"
     cfg, layout = _job(model, data, run_dir, "trainer.total_steps=3", "trainer.off_policy_steps=1",
-                       "rollout.sync_timeout_s=10")
+                       "rollout.sync_timeout_s=10", *ONE_RANK)
     err = _fit_with_engine_killed_before_second_generation(cfg, layout)
     assert str(err.value) == (
         "rollout engine 0 died during generation ahead of its step (its process exited) while the actor trained "

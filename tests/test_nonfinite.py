@@ -16,7 +16,7 @@ import torch
 from rlcore.job import ConfigError, load_job
 from rlcore.nonfinite import POISON_ENV, NonFiniteError, NonFiniteGuard, first_nonfinite
 from rlcore.validate import validate
-from tests.runs import REPO
+from tests.runs import ONE_RANK, REPO
 
 SPEC = os.path.join(REPO, "yaml_configs", "quickstart_cpu.yaml")
 
@@ -64,7 +64,7 @@ def poisoned_run(run_dir, tiny_assets, policy: str) -> subprocess.CompletedProce
     model, data = tiny_assets
     cmd = [sys.executable, "-m", "launch.cli", "train", SPEC, f"model.path={model}", f"data.train_files=[{data}]",
            f"data.val_files=[{data}]", f"trainer.run_dir={run_dir}", "trainer.val_every=0", "trainer.total_steps=3",
-           "data.batch_size=4", "trainer.save_every=1", "trainer.keep_last=0", f"trainer.on_nonfinite={policy}"]
+           "data.batch_size=4", "trainer.save_every=1", "trainer.keep_last=0", f"trainer.on_nonfinite={policy}", *ONE_RANK]
     env = dict(os.environ, **{POISON_ENV: "2"})
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
 

@@ -22,6 +22,7 @@ import torch
 from launch.assets import make_tiny_model
 from rlcore.config import RolloutConfig
 from rlcore.validate import validate
+from tests.runs import ONE_RANK
 from tests.test_config import assert_in, files, job, validate_error  # noqa: F401 (files: a fixture)
 from tests.test_rollout_weight_sync import (MAX_LEN, _connect, _senders, _stage_plans, _state_dict, _with_senders,
                                             hf_seq_logprobs)
@@ -180,7 +181,7 @@ def test_quickstart_with_partial_rollouts(tmp_path, tiny_assets, cluster):
     cfg = load_job("yaml_configs/quickstart_cpu.yaml", [
         f"model.path={model}", f"data.train_files=[{data}]", f"data.val_files=[{data}]", f"trainer.run_dir={run_dir}",
         "trainer.val_every=0", "trainer.total_steps=3", "trainer.off_policy_steps=1", "rollout.partial_rollouts=true",
-        "rollout.max_response_length=8", "rollout.sync_timeout_s=120", "trainer.logger=[console,jsonl]"])
+        "rollout.max_response_length=8", "rollout.sync_timeout_s=120", "trainer.logger=[console,jsonl]", *ONE_RANK])
     layout = validate(cfg)
     trainer = None
     try:

@@ -11,14 +11,14 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from tests.runs import train_cli
+from tests.runs import ONE_RANK, train_cli
 from rlcore.checkpoint import CONTROLLER, QUEUED, step_dir_name
 
 pytestmark = pytest.mark.e2e
 
 
 def _train(spec: str, run_dir, model: str, data: str, *overrides: str) -> list[dict]:
-    return train_cli(spec, run_dir, model, data, "trainer.logger=[console,jsonl]", *overrides)
+    return train_cli(spec, run_dir, model, data, "trainer.logger=[console,jsonl]", *ONE_RANK, *overrides)
 
 
 def untimed(row: dict) -> dict:
