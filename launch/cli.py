@@ -33,8 +33,8 @@ def _layout_table(layout: JobLayout) -> str:
     rows = [("role", "pool", "gpus", "tp", "pp", "dp/engines")]
     for role in ("actor", "reference", "critic"):
         r = getattr(layout, role)
-        if r is not None:
-            rows.append((role, r.pool, r.gpus, r.tp, r.pp, r.dp))
+        if r is not None:  # a colocated reference runs in its host's processes (reference.colocate)
+            rows.append((role if r.host is None else f"{role} (in {r.host})", r.pool, r.gpus, r.tp, r.pp, r.dp))
     for name, r in layout.reward.items():  # the reward models' scoring roles
         rows.append((name, r.pool, r.gpus, r.tp, r.pp, r.dp))
     ro = layout.rollout

@@ -8,6 +8,7 @@ engines, and hands it all to ``rlcore.trainer.Trainer``, which knows the roles o
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Callable
 
@@ -42,6 +43,33 @@ def reference_shape(cfg: JobConfig) -> dict:
                                             else r.max_tokens_per_micro_batch))
 
 
+def reference_spec(cfg: JobConfig, layout: JobLayout, threads: dict[str, int]) -> RoleSpec:
+    return role_spec("reference", layout.reference, layout, cfg.model.path,
+                     cfg.reference.micro_batch_size or cfg.actor.micro_batch_size, cfg.trainer.seed,
+                     threads=threads["reference"], **reference_shape(cfg))
+
+
+def megatron_roles(cfg: JobConfig, layout: JobLayout, actor: RoleSpec, pools: ResourcePools,
+                   threads: dict[str, int]) -> dict[str, Callable[[], Any]]:
+    """The makers of the actor and, when the job has one, the reference: in the actor's processes
+    (``RoleLayout.host``, reference.colocate) or in its own."""
+    if layout.reference is None:
+        return {"actor": _megatron(actor, pools)}
+    ref = reference_spec(cfg, layout, threads)
+    if layout.reference.host == "actor":
+        return {"actor": _megatron(replace(actor, colocated=(ref,)), pools)}
+    return {"actor": _megatron(actor, pools), "reference": _megatron(ref, pools)}
+
+
+def started_reference(layout: JobLayout, started: dict[str, Any]):
+    """The reference role once started: a view of the actor's processes, or a group of its own."""
+    if layout.reference is None:
+        return None
+    if layout.reference.host is not None:
+        return started[layout.reference.host].hosted("reference")
+    return started["reference"]
+
+
 def job_threads(cfg: JobConfig, layout: JobLayout) -> dict[str, int]:
     """Each role's math threads per process: a node's cores (resources.num_cpus, else this machine's)
     shared by the processes that compute at the same time on a node. The synchronous loop
@@ -51,16 +79,19 @@ def job_threads(cfg: JobConfig, layout: JobLayout) -> dict[str, int]:
     cores = cfg.resources.num_cpus or os.cpu_count() or 1
     nodes = max(1, cfg.resources.nodes)
     ranks = {name: r.tp * r.pp * r.dp for name, r in (("actor", layout.actor), ("reference", layout.reference),
-                                                       ("critic", layout.critic)) if r is not None}
+                                                       ("critic", layout.critic)) if r is not None and r.host is None}
     if layout.rollout is not None:
         ranks["rollout"] = layout.rollout.engines * layout.rollout.tp
     ranks.update({name: r.tp * r.pp * r.dp for name, r in layout.reward.items()})
     if layout.judge is not None:
         ranks["judge"] = layout.judge.engines * layout.judge.tp
     if cfg.trainer.off_policy_steps > 0:
-        everyone = math_threads(cores, -(-sum(ranks.values()) // nodes))
-        return {name: everyone for name in ranks}
-    return {name: math_threads(cores, -(-n // nodes)) for name, n in ranks.items()}
+        threads = {name: math_threads(cores, -(-sum(ranks.values()) // nodes)) for name in ranks}
+    else:
+        threads = {name: math_threads(cores, -(-n // nodes)) for name, n in ranks.items()}
+    if layout.reference is not None and layout.reference.host is not None:  # computes in its host's ranks
+        threads["reference"] = threads[layout.reference.host]
+    return threads
 
 
 def start_roles(makers: dict[str, Callable[[], Any]]) -> dict[str, Any]:
@@ -133,7 +164,7 @@ def _connect(cfg: JobConfig, layout: JobLayout, roles: Roles) -> None:
 def build_roles(cfg: JobConfig, layout: JobLayout) -> Roles:
     """Starts Ray and every role of the validated job; the weight sync is connected."""
     role_pools = {"actor": layout.actor.pool, "rollout": layout.rollout.pool}
-    if layout.reference:
+    if layout.reference and layout.reference.host is None:
         role_pools["reference"] = layout.reference.pool
     if layout.critic:
         role_pools["critic"] = layout.critic.pool
@@ -144,14 +175,11 @@ def build_roles(cfg: JobConfig, layout: JobLayout) -> Roles:
     threads = job_threads(cfg, layout)
 
     def makers(pools: ResourcePools) -> dict[str, Callable[[], Any]]:
-        made = {"actor": _megatron(role_spec("actor", layout.actor, layout, cfg.model.path, a.micro_batch_size, seed,
-                                             optim=a.optim, threads=threads["actor"], shared_prompt=a.shared_prompt,
-                                             max_tokens_per_micro_batch=a.max_tokens_per_micro_batch,
-                                             lr_schedule=role_schedule(cfg, "actor")), pools)}
-        if layout.reference:  # only when a KL term needs it
-            made["reference"] = _megatron(role_spec("reference", layout.reference, layout, cfg.model.path,
-                                                    cfg.reference.micro_batch_size or a.micro_batch_size, seed,
-                                                    threads=threads["reference"], **reference_shape(cfg)), pools)
+        actor = role_spec("actor", layout.actor, layout, cfg.model.path, a.micro_batch_size, seed, optim=a.optim,
+                          threads=threads["actor"], shared_prompt=a.shared_prompt,
+                          max_tokens_per_micro_batch=a.max_tokens_per_micro_batch,
+                          lr_schedule=role_schedule(cfg, "actor"))
+        made = megatron_roles(cfg, layout, actor, pools, threads)  # the reference only when a KL term needs it
         if layout.critic:  # PPO's value model: only when the advantage estimator needs values
             made["critic"] = _megatron(role_spec("critic", layout.critic, layout, c.model_path or cfg.model.path,
                                                  c.micro_batch_size, seed, head="value", optim=c.optim,
@@ -174,7 +202,7 @@ def build_roles(cfg: JobConfig, layout: JobLayout) -> Roles:
 
     started, pools = _start_job_roles(cfg, layout, role_pools, makers)
     reward = {name: started[name] for name in (*layout.reward, "judge") if name in started}
-    roles = Roles(actor=started["actor"], rollout=started["rollout"], reference=started.get("reference"),
+    roles = Roles(actor=started["actor"], rollout=started["rollout"], reference=started_reference(layout, started),
                   critic=started.get("critic"), reward=reward, on_shutdown=[pools.shutdown])
     _connect(cfg, layout, roles)
     return roles
@@ -188,27 +216,25 @@ def build_preference_roles(cfg: JobConfig, layout: JobLayout) -> Roles:
 
     objective = PREFERENCE_OBJECTIVES.meta(cfg.algorithm.type)
     role_pools = {"actor": layout.actor.pool}
-    for name in ("reference", "rollout"):
-        if getattr(layout, name) is not None:
-            role_pools[name] = getattr(layout, name).pool
+    if layout.reference is not None and layout.reference.host is None:
+        role_pools["reference"] = layout.reference.pool
+    if layout.rollout is not None:
+        role_pools["rollout"] = layout.rollout.pool
     seed, a = cfg.trainer.seed, cfg.actor
     threads = job_threads(cfg, layout)
 
     def makers(pools: ResourcePools) -> dict[str, Callable[[], Any]]:
-        made = {"actor": _megatron(role_spec("actor", layout.actor, layout, cfg.model.path, a.micro_batch_size, seed,
-                                             head=objective.head, optim=a.optim, threads=threads["actor"],
-                                             lr_schedule=role_schedule(cfg, "actor")), pools)}
-        if layout.reference:
-            made["reference"] = _megatron(role_spec("reference", layout.reference, layout, cfg.model.path,
-                                                    cfg.reference.micro_batch_size or a.micro_batch_size, seed,
-                                                    threads=threads["reference"], **reference_shape(cfg)), pools)
+        actor = role_spec("actor", layout.actor, layout, cfg.model.path, a.micro_batch_size, seed,
+                          head=objective.head, optim=a.optim, threads=threads["actor"],
+                          lr_schedule=role_schedule(cfg, "actor"))
+        made = megatron_roles(cfg, layout, actor, pools, threads)
         if layout.rollout:
             made["rollout"] = _rollout(cfg, layout, pools, threads["rollout"])
         return made
 
     started, pools = _start_job_roles(cfg, layout, role_pools, makers)
-    roles = Roles(actor=started["actor"], rollout=started.get("rollout"), reference=started.get("reference"),
-                  on_shutdown=[pools.shutdown])
+    roles = Roles(actor=started["actor"], rollout=started.get("rollout"),
+                  reference=started_reference(layout, started), on_shutdown=[pools.shutdown])
     if roles.rollout is not None:
         _connect(cfg, layout, roles)
     return roles

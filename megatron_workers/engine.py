@@ -94,23 +94,28 @@ class MegatronEngine:
     """Construction is cheap (Ray creates the actor); ``init`` joins the world and builds the model and
     must run on every rank of the group at once."""
 
-    def __init__(self, spec: RoleSpec, rank: int):
-        # First: this rank's output (megatron's, torch's, gloo's) into run_dir/logs/; errors and
-        # unexpected warnings still reach the console (rlcore/worker_logs.py).
-        worker_logs.to_console(worker_logs.capture_worker_output(f"{spec.name}_rank{rank}"), "ray")
+    def __init__(self, spec: RoleSpec, rank: int, hosted: bool = False):
+        """``hosted``: a colocated role's engine inside another role's rank (``RoleSpec.colocated``),
+        which owns the process: its logs, its threads, its place in the world."""
+        if not hosted:
+            # First: this rank's output (megatron's, torch's, gloo's) into run_dir/logs/; errors and
+            # unexpected warnings still reach the console (rlcore/worker_logs.py).
+            worker_logs.to_console(worker_logs.capture_worker_output(f"{spec.name}_rank{rank}"), "ray")
         if spec.micro_batch_size < 1:
             raise ValueError(f"{spec.name}: micro_batch_size must be >= 1, got {spec.micro_batch_size}")
         # The layout itself (TP/PP/VPP against the model) is rlcore.layout's check, which the group
         # runs before any engine starts.
-        # The rank's share of the cores (RoleSpec.threads): more threads than cores in all were 5-100x
-        # slower on a shared 2-core box whenever another process held a core (docs/cpu-profile.md).
-        torch.set_num_threads(spec.threads)
+        if not hosted:
+            # The rank's share of the cores (RoleSpec.threads): more threads than cores in all were 5-100x
+            # slower on a shared 2-core box whenever another process held a core (docs/cpu-profile.md).
+            torch.set_num_threads(spec.threads)
         self.spec, self.head, self.rank = spec, HEADS[spec.head], rank
         self.role, self.model_path, self.profile, self.dtype = spec.name, spec.model_path, spec.profile, spec.dtype
         self.tp, self.pp, self.dp, self.vpp = spec.tp, spec.pp, spec.dp, spec.vpp
         self.micro_batch_size, self.seed = spec.micro_batch_size, spec.seed
         self.trainable = spec.trainable
         self.optimizer = self.lr_scheduler = None
+        self.colocated: dict[str, MegatronEngine] = {}
 
     # ------------------------------------------------------------------------------------ set-up
     @staticmethod
@@ -143,15 +148,12 @@ class MegatronEngine:
 
     def init(self, master_addr: str, master_port: int) -> dict:
         """Joins the world, initialises Megatron's parallel state, builds and loads the model (and the
-        optimizer). Returns this rank's coordinates."""
+        optimizer), then the colocated roles' models under the same parallel state. Returns this
+        rank's coordinates."""
         backend = self._select_device()
 
         import torch.distributed as dist
         from megatron.core import parallel_state, tensor_parallel
-
-        from .hf_weights import load_hf_weights
-        from .model import read_hf_config, transformer_config
-        from .weight_sender import StageWeightSender
 
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.spec.world_size))
@@ -163,6 +165,29 @@ class MegatronEngine:
         torch.manual_seed(self.seed)
         if self.profile == "gpu":
             tensor_parallel.model_parallel_cuda_manual_seed(self.seed)
+        self._build()
+        # Built after this role's model, in the same order on every rank (a tied embedding all-reduces
+        # at construction). Their random init is overwritten by the checkpoint, and no later draw
+        # depends on the generator's state (dropout is 0, model.py).
+        for spec in self.spec.colocated:
+            hosted = MegatronEngine(spec, self.rank, hosted=True)
+            hosted.device = self.device
+            hosted._build()
+            self.colocated[spec.name] = hosted
+        threads = self.math_threads()
+        hosting = "".join(f" (and the {name}'s model)" for name in self.colocated)
+        print(f"{self.role} rank {self.rank}{hosting}: {threads} math threads (RoleSpec.threads={self.spec.threads})",
+              flush=True)
+        return {**self.coords(), "math_threads": threads}
+
+    def _build(self) -> None:
+        """This role's model stage from its HF checkpoint under the parallel state already set up, and
+        the optimizer when it trains."""
+        from megatron.core import parallel_state
+
+        from .hf_weights import load_hf_weights
+        from .model import read_hf_config, transformer_config
+        from .weight_sender import StageWeightSender
 
         self.hf = read_hf_config(self.model_path)
         # Shared-prompt rows bring their own attention mask and rotary positions (packing.py): the
@@ -203,10 +228,6 @@ class MegatronEngine:
             for chunk in self.model_chunks:
                 chunk.eval()
             self.forward_chunks = self.model_chunks
-        threads = self.math_threads()
-        print(f"{self.role} rank {self.rank}: {threads} math threads (RoleSpec.threads={self.spec.threads})",
-              flush=True)
-        return {**self.coords(), "math_threads": threads}
 
     @staticmethod
     def math_threads() -> int:
@@ -332,10 +353,17 @@ class MegatronEngine:
         finally:
             self.active_inputs.current = None
 
-    def forward(self, batch: Batch, head_args: dict | None = None) -> dict[str, torch.Tensor] | None:
+    def forward(self, batch: Batch, head_args: dict | None = None, role: str | None = None
+                ) -> dict[str, torch.Tensor] | None:
         """The head's token-aligned [b, S] outputs for this rank's DP shard (forward only): the LM
         head's ``logprobs`` and ``entropy`` (``head_args``: ``temperature``), the value head's
-        ``values``. Returned by the last PP stage's TP rank 0 (on the CPU); None elsewhere."""
+        ``values``; of the colocated role ``role``'s model when given. Returned by the last PP
+        stage's TP rank 0 (on the CPU); None elsewhere."""
+        if role is not None and role != self.role:
+            if role not in self.colocated:
+                raise ValueError(f"{self.role} rank {self.rank} holds no model of role {role!r} "
+                                 f"(colocated: {', '.join(self.colocated) or 'none'})")
+            return self.colocated[role].forward(batch, head_args)
         head_args = head_args or {}
 
         def collect(micro_batch, inputs, output, non_loss_data=True):

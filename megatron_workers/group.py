@@ -35,8 +35,13 @@ class MegatronGroup:
         if min(spec.tp, spec.pp, spec.dp) < 1:
             raise ValueError(f"{spec.name}: TP, PP and DP must be >= 1, got TP={spec.tp} PP={spec.pp} DP={spec.dp}")
         # The same check as `rlx validate`, before any engine starts.
-        check_model_split(read_hf_config(spec.model_path), spec.tp, spec.pp, spec.vpp, spec.name,
-                          pp_layers=spec.pp_layers)
+        for s in (spec, *spec.colocated):
+            check_model_split(read_hf_config(s.model_path), s.tp, s.pp, s.vpp, s.name, pp_layers=s.pp_layers)
+        for s in spec.colocated:  # one parallel state per process: theirs must be this role's
+            if (s.tp, s.pp, s.dp, s.vpp) != (spec.tp, spec.pp, spec.dp, spec.vpp) or s.trainable:
+                raise ValueError(f"{s.name}: a role in {spec.name}'s processes must be forward-only with "
+                                 f"{spec.name}'s TP={spec.tp} PP={spec.pp} DP={spec.dp} VPP={spec.vpp}, got "
+                                 f"TP={s.tp} PP={s.pp} DP={s.dp} VPP={s.vpp}{' and an optimizer' * s.trainable}")
         if len(placement.bundle_indices) < spec.world_size:
             raise ValueError(f"{spec.name}: TP x PP x DP = {spec.world_size} ranks, but pool {placement.pool!r} has "
                              f"{len(placement.bundle_indices)} GPUs")
@@ -70,6 +75,11 @@ class MegatronGroup:
         self._dp_rank = [c["dp_rank"] for c in coords]
         self._coords = coords
         self._weight_sync_ready = False
+        self._hosted = {s.name: HostedRole(self, s) for s in spec.colocated}
+
+    def hosted(self, name: str) -> "HostedRole":
+        """The colocated role ``name`` (``RoleSpec.colocated``), whose model lives in these ranks."""
+        return self._hosted[name]
 
     def _get(self, refs: list, what: str, ranks: list[int] | None = None) -> list:
         """``ray.get(refs)``, the refs of ranks ``ranks`` (default: one per rank, in rank order), except
@@ -97,25 +107,33 @@ class MegatronGroup:
         return results
 
     # ------------------------------------------------------------------------------------- compute
-    def _run_sharded(self, method: str, batch: Batch, *args) -> list:
+    def _run_sharded(self, method: str, batch: Batch, *args, spec: RoleSpec | None = None) -> list:
         """Calls ``method(shard, *args)`` on every rank with its DP shard (one ray.put per shard);
-        returns the results of the DP replicas' reporting ranks, in DP order."""
+        returns the results of the DP replicas' reporting ranks, in DP order. ``spec``: the role
+        whose micro-batches these are (a colocated one's; default this group's)."""
         import ray
 
-        s = self.spec  # the check `rlx validate` ran on the configured batch sizes, on this batch
+        s = spec or self.spec  # the check `rlx validate` ran on the configured batch sizes, on this batch
         if not s.max_tokens_per_micro_batch:  # by tokens: each rank plans its own micro-batches
             check_micro_batches(s.name, s, "the batch", batch.size, f"{s.name}.micro_batch_size",
                                 s.micro_batch_size, f"{s.name}.vpp")
         shards = [ray.put(batch.shard(d, self.dp)) for d in range(self.dp)]
+        what = method if s is self.spec else f"the {s.name}'s {method}"
         results = self._get([getattr(w, method).remote(shards[d], *args)
-                             for w, d in zip(self.workers, self._dp_rank)], method)
+                             for w, d in zip(self.workers, self._dp_rank)], what)
         return [results[self._reporter[d]] for d in range(self.dp)]
 
     def forward(self, batch: Batch, **head_args) -> dict[str, torch.Tensor]:
         """The head's token-aligned [B, S] outputs for ``batch`` (forward only; position 0 holds 0):
         ``logprobs`` and ``entropy`` of ``input_ids`` for the LM head (``temperature=``), ``values``
         for the value head (``values[:, t]``: the value of the state before token t)."""
-        parts = self._run_sharded("forward", self._head_keys(batch, self.head.forward_keys), head_args)
+        return self._forward(self.spec, batch, head_args)
+
+    def _forward(self, spec: RoleSpec, batch: Batch, head_args: dict) -> dict[str, torch.Tensor]:
+        """``forward`` of this group's model or, for a colocated ``spec``, of that role's."""
+        keys = HEADS[spec.head].forward_keys
+        role = None if spec is self.spec else spec.name
+        parts = self._run_sharded("forward", self._head_keys(batch, keys), head_args, role, spec=spec)
         return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
     def update(self, batch: Batch, loss_cfg, **head_args) -> UpdateResult:
@@ -215,3 +233,22 @@ class MegatronGroup:
         for w in self.workers:
             ray.kill(w)
         self.workers = []
+
+
+class HostedRole:
+    """A forward-only role whose model lives in another role's ranks (``RoleSpec.colocated``; the
+    reference in the actor's): a ``rlcore.roles.ForwardRole`` that runs on its host's processes,
+    one call at a time with the host's own (a Ray actor runs its calls in order)."""
+
+    def __init__(self, host: MegatronGroup, spec: RoleSpec):
+        self.host, self.spec, self.role = host, spec, spec.name
+
+    def forward(self, batch: Batch, **head_args) -> dict[str, torch.Tensor]:
+        return self.host._forward(self.spec, batch, head_args)
+
+    def peak_memory_mb(self) -> list[float]:
+        """No processes of its own: its memory is in its host's figures."""
+        return []
+
+    def shutdown(self) -> None:
+        """Nothing of its own to stop: it goes with its host's processes."""

@@ -143,6 +143,12 @@ class ReferenceConfig:
     micro_batch_size: Optional[int] = None  # default: the actor's
     shared_prompt: Optional[bool] = None  # default: the actor's
     max_tokens_per_micro_batch: Optional[int] = None  # default: the actor's
+    # The reference's model in the actor's processes (one more frozen model per actor rank) instead of
+    # processes of its own: null, whenever its pool, tp, pp and vpp are the actor's; true: required (an
+    # error names the key that differs); false: its own processes. Colocated, it starts nothing and
+    # holds no second CUDA context, allocator or framework copy per GPU; its forward runs between the
+    # actor's calls, as it does on a shared pool anyway.
+    colocate: Optional[bool] = None
 
 
 @dataclass

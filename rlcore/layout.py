@@ -27,6 +27,7 @@ class RoleLayout:
     dp: int
     vpp: int = 1  # virtual pipeline stages (model chunks) per PP rank
     pp_layers: Optional[tuple[int, ...]] = None  # transformer layers per PP stage; None: megatron's even split
+    host: Optional[str] = None  # the role whose processes hold this one's model (reference.colocate)
 
     def stage_layers(self, num_layers: int) -> list[int]:
         return stage_layers(num_layers, self.pp, self.pp_layers)

@@ -56,7 +56,7 @@ def validate_preference(cfg: JobConfig, require_files: Optional[bool] = None):
     check_micro_batches("actor", actor, f"2*{key}=2*{pairs}", 2 * pairs,
                         "actor.micro_batch_size", a.micro_batch_size, "actor.vpp")
 
-    reference = _reference_layout(cfg, model) if objective.needs_reference else None
+    reference = _reference_layout(cfg, model, actor) if objective.needs_reference else None
     rollout = v._rollout_layout(cfg, model, device) if greedy else None
     _check_data(cfg, model, require_files, greedy)
     v.check_lr_schedule(cfg, "actor")
@@ -115,7 +115,7 @@ def _check_pools(cfg: JobConfig, reference: bool, rollout: bool) -> None:
                               "is not supported yet")
 
 
-def _reference_layout(cfg: JobConfig, model):
+def _reference_layout(cfg: JobConfig, model, actor):
     from rlcore import validate as v
 
     ref, a = cfg.reference, cfg.actor
@@ -140,6 +140,7 @@ def _reference_layout(cfg: JobConfig, model):
         check_micro_batches("reference", layout, f"2*data.batch_size=2*{cfg.data.batch_size}", rows,
                             v._key("reference", "micro_batch_size", ref.micro_batch_size is None),
                             v._default(ref.micro_batch_size, a.micro_batch_size), v._key("reference", "vpp", ref.vpp is None))
+    layout.host = v.reference_host(cfg, actor, layout)
     return layout
 
 

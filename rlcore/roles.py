@@ -50,6 +50,10 @@ class RoleSpec:
     max_tokens_per_micro_batch: Optional[int] = None
     # The optimizer's learning-rate schedule over the run (trainable roles); None: optim.lr throughout.
     lr_schedule: Optional[LRSchedule] = None
+    # Forward-only roles whose models this role's processes hold too, under the same TP/PP/DP/VPP
+    # (the reference in the actor's ranks): no processes of their own to start, and one CUDA
+    # context, allocator and copy of the framework per GPU instead of two.
+    colocated: tuple["RoleSpec", ...] = ()
 
     @property
     def world_size(self) -> int:

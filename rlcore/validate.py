@@ -96,6 +96,7 @@ def validate(cfg: JobConfig, require_files: Optional[bool] = None) -> JobLayout:
                            _key("reference", "micro_batch_size", ref.micro_batch_size is None),
                            _default(ref.micro_batch_size, a.micro_batch_size),
                            _key("reference", "vpp", ref.vpp is None))
+        reference.host = reference_host(cfg, actor, reference)
 
     critic = _critic_layout(cfg, model, require_files) if needs_critic(cfg) else None
 
@@ -317,6 +318,20 @@ def _role_layout(cfg: JobConfig, role: str, pool: str, tp: int, pp: int, vpp: in
                           + (" (tp, pp and pool are the actor's, by default)" if defaulted else ""))
     return RoleLayout(pool=pool, gpus=gpus, tp=tp, pp=pp, dp=gpus // (tp * pp), vpp=vpp,
                       pp_layers=None if pp_layers is None else tuple(pp_layers))
+
+
+def reference_host(cfg: JobConfig, actor: RoleLayout, reference: RoleLayout) -> Optional[str]:
+    """``"actor"`` when the reference's model goes into the actor's processes (reference.colocate):
+    one parallel state per process, so its pool, tp, pp and vpp must be the actor's. None: its own."""
+    if cfg.reference.colocate is False:
+        return None
+    differ = [f"reference.{k}={getattr(reference, k)} (actor.{k}={getattr(actor, k)})"
+              for k in ("pool", "tp", "pp", "vpp") if getattr(reference, k) != getattr(actor, k)]
+    if differ and cfg.reference.colocate:
+        raise ConfigError(f"reference.colocate=true puts the reference in the actor's processes, which needs the "
+                          f"actor's pool, tp, pp and vpp, but {', '.join(differ)}; drop those keys or set "
+                          "reference.colocate=false")
+    return None if differ else "actor"
 
 
 def _rollout_layout(cfg: JobConfig, model: HFModelSpec, device: str) -> RolloutLayout:

@@ -87,8 +87,9 @@ def reference_run(tiny_assets, tmp_path_factory):
 @pytest.fixture(scope="session")
 def tracked_short_run(tiny_assets, tmp_path_factory):
     """One short `rlx train` of the quickstart (2 steps, 4 prompts x 4 samples) with every tracker on:
-    an offline W&B run and an MLflow file store (the logger opts in to it itself). Its console and
-    run_dir/logs/ are tests/test_console.py's, what the trackers hold tests/test_metrics.py's:
+    an offline W&B run and an MLflow file store (the logger opts in to it itself), and the reference
+    in processes of its own (reference.colocate=false; every other e2e run has it in the actor's). Its
+    console and run_dir/logs/ are tests/test_console.py's, what the trackers hold tests/test_metrics.py's:
     (run_dir, the finished ``subprocess.CompletedProcess``)."""
     from tests.runs import QUICKSTART, REPO
 
@@ -99,7 +100,8 @@ def tracked_short_run(tiny_assets, tmp_path_factory):
     cmd = [sys.executable, "-m", "launch.cli", "train", QUICKSTART, f"model.path={model}",
            f"data.train_files=[{data}]", f"data.val_files=[{data}]", f"trainer.run_dir={run_dir}",
            "trainer.val_every=0", "trainer.total_steps=2", "data.batch_size=4", "rollout.n=4",
-           "actor.micro_batch_size=8", "trainer.logger=[console,jsonl,wandb,mlflow]", "trainer.project_name=rlx-e2e"]
+           "actor.micro_batch_size=8", "trainer.logger=[console,jsonl,wandb,mlflow]", "trainer.project_name=rlx-e2e",
+           "reference.colocate=false"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return run_dir, proc

@@ -2,6 +2,7 @@
 each refusal's sentence through the same ``launch.cli.main`` in this process (a process per case
 would cost seconds of imports each)."""
 import os
+import re
 import subprocess
 import sys
 
@@ -42,7 +43,9 @@ def test_validate_accepts_the_quickstart_and_prints_the_layout(assets):
                f"data.train_files=[{data}]", f"data.val_files=[{data}]")
     assert proc.returncode == 0, proc.stderr
     assert "valid (cpu profile, 3 GPUs)" in proc.stdout
-    assert "actor      actor    2     2   1   1" in proc.stdout
+    assert re.search(r"^actor\s+actor\s+2\s+2\s+1\s+1 *$", proc.stdout, re.M), proc.stdout
+    # The reference takes the actor's layout, so its model goes into the actor's processes.
+    assert re.search(r"^reference \(in actor\)\s+actor\s+2\s+2\s+1\s+1 *$", proc.stdout, re.M), proc.stdout
 
 
 @pytest.mark.parametrize("override,message", [

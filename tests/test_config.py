@@ -172,7 +172,7 @@ def test_valid_spec_resolves_the_layout(files):
     layout = validate(job(files))
     assert layout == JobLayout(
         actor=RoleLayout(pool="actor", gpus=2, tp=1, pp=1, dp=2),
-        reference=RoleLayout(pool="actor", gpus=2, tp=1, pp=1, dp=2),  # defaults to the actor's
+        reference=RoleLayout(pool="actor", gpus=2, tp=1, pp=1, dp=2, host="actor"),  # the actor's, in its processes
         rollout=RolloutLayout(pool="rollout", gpus=1, engines=1, tp=1),
         device="cpu", total_gpus=3, dtype="float32")
 
@@ -186,7 +186,21 @@ def test_reference_only_when_kl_coeff_positive(files):
 def test_reference_layout_overrides(files):
     layout = validate(job(files, "resources.pools={actor: 2, ref: 4, rollout: 1}", "reference.pool=ref",
                           "reference.tp=2", "reference.micro_batch_size=2"))
-    assert layout.reference == RoleLayout(pool="ref", gpus=4, tp=2, pp=1, dp=2)
+    assert layout.reference == RoleLayout(pool="ref", gpus=4, tp=2, pp=1, dp=2)  # not the actor's: its own processes
+
+
+def test_the_reference_goes_into_the_actor_processes_when_it_has_the_actors_layout(files):
+    """reference.colocate: null (default) hosts it in the actor's ranks whenever its pool, tp, pp and
+    vpp are the actor's; false never; true requires it, naming what differs."""
+    assert validate(job(files, "reference.micro_batch_size=1")).reference.host == "actor"  # its own micro-batches
+    assert validate(job(files, "reference.colocate=false")).reference.host is None
+    assert validate(job(files, "reference.colocate=true")).reference.host == "actor"
+    assert validate(job(files, "reference.tp=2")).reference.host is None
+    assert_in(validate_error(files, "reference.colocate=true", "reference.tp=2"),
+              "reference.colocate=true puts the reference in the actor's processes",
+              "reference.tp=2 (actor.tp=1)", "set reference.colocate=false")
+    with pytest.raises(ConfigError, match=r"reference.colocate='maybe' has the wrong type, expected a boolean"):
+        job(files, "reference.colocate=maybe")
 
 
 def test_device_auto_resolves_from_torch(files):
@@ -422,7 +436,7 @@ def test_dynamic_sampling_needs_groups(files):
 
 def test_reference_for_kl_in_reward(files):
     layout = validate(job(files, "actor.loss.kl_coeff=0", "algorithm.kl_in_reward=true"))
-    assert layout.reference == RoleLayout(pool="actor", gpus=2, tp=1, pp=1, dp=2)
+    assert layout.reference == RoleLayout(pool="actor", gpus=2, tp=1, pp=1, dp=2, host="actor")
 
 
 def test_ppo_mini_batch_size_must_divide_the_batch(files):

@@ -16,7 +16,7 @@ from tests.runs import REPO
 SPEC = os.path.join(REPO, "yaml_configs", "quickstart_cpu.yaml")
 # What a newcomer should see: rlx's lines. Anything else is counted.
 RLX_LINES = [r"^step \d+/\d+ \| ", r"^train: .*step", r": valid \(cpu profile", r"^role\s+pool\s+gpus",
-             r"^(actor|reference|rollout|critic)\s+\w+\s+\d+\s", r"^final step: \{"]
+             r"^(actor|reference|rollout|critic)( \(in \w+\))?\s+\w+\s+\d+\s", r"^final step: \{"]
 # Other lines allowed: a real warning of some library on some machine may show (it should); today's
 # run shows none.
 MAX_OTHER_LINES = 3
@@ -59,6 +59,7 @@ def test_a_short_run_shows_progress_and_keeps_the_full_logs(tracked_short_run):
     assert "Initializing a V1 LLM engine" in engine_log  # vLLM's INFO start-up line
     assert "Enforce eager set" in engine_log  # a harmless warning: off the console, kept here
     assert "Setting up DistributedDataParallel" in (logs / "actor_rank0.log").read_text()  # megatron's INFO
+    # reference.colocate=false here: the reference's own processes log too.
     assert (logs / "actor_rank1.log").stat().st_size > 0 and (logs / "reference_rank0.log").stat().st_size > 0
     assert "Started a local Ray instance" in (logs / "driver.log").read_text()
     assert (logs / "ray").is_dir() and any((logs / "ray").iterdir())  # Ray's session logs, linked

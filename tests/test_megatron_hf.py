@@ -144,3 +144,38 @@ def test_llama_tied_pp2_logprobs_round_trip_and_weight_sync(llama_tied, placemen
         check_weight_sync(group, llama_tied)
     finally:
         group.shutdown()
+
+
+def test_a_reference_in_the_actor_processes_stays_the_checkpoint_while_the_actor_trains(llama_tied, placement):
+    """RoleSpec.colocated: the reference's model in the actor's PP2 ranks (a tied embedding, shared
+    across the two stages, built twice in one process): its log-probs are transformers' before and
+    after the actor's update moved the actor's own."""
+    from rlcore.algos import loss_weights
+    from rlcore.config import LossConfig, OptimConfig
+    from tests.batches import right_padded_rows
+
+    reference = RoleSpec("reference", llama_tied, tp=1, pp=2, dp=1, micro_batch_size=2, profile="cpu",
+                         dtype="float32", seed=0)
+    actor = RoleSpec("actor", llama_tied, tp=1, pp=2, dp=1, micro_batch_size=2, profile="cpu", dtype="float32",
+                     seed=0, optim=OptimConfig(lr=1e-2), colocated=(reference,))
+    group = MegatronGroup(actor, placement)
+    try:
+        hosted = group.hosted("reference")
+        check_logprobs_match_hf(hosted, llama_tied)
+        g = torch.Generator().manual_seed(0)
+        input_ids, mask = right_padded_rows(g, 4, 24)
+        batch = Batch(input_ids=input_ids, attention_mask=(input_ids != 0).long(), response_mask=mask,
+                      advantages=torch.randn(4, 1, generator=g) * mask, loss_weights=loss_weights(mask, "token-mean", 24))
+        before = group.forward(batch)["logprobs"]
+        torch.testing.assert_close(hosted.forward(batch)["logprobs"], before, atol=0, rtol=0)
+        group.update(batch, LossConfig(kl_coeff=0.0), on_policy=True)
+        assert (group.forward(batch)["logprobs"] - before).abs().max() > 1e-3  # the actor moved
+        check_logprobs_match_hf(hosted, llama_tied)  # the reference did not
+        assert hosted.peak_memory_mb() == []  # no processes of its own
+    finally:
+        group.shutdown()
+    with pytest.raises(ValueError, match=r"reference: a role in actor's processes must be forward-only with actor's TP=1 PP=2"):
+        MegatronGroup(RoleSpec("actor", llama_tied, tp=1, pp=2, dp=1, micro_batch_size=2, profile="cpu",
+                               dtype="float32", seed=0, colocated=(RoleSpec("reference", llama_tied, tp=2, pp=1, dp=1,
+                                                                            micro_batch_size=2, profile="cpu",
+                                                                            dtype="float32", seed=0),)), placement)

@@ -42,6 +42,12 @@ def test_job_threads_count_every_pool_and_node(tmp_path):
     one_worker = JobLayout(actor=actor, reference=None, rollout=RolloutLayout("rollout", 1, engines=1, tp=1),
                            device="cpu", total_gpus=3, dtype="float32")
     assert job_threads(cfg, one_worker) == {"actor": 1, "rollout": 2}  # the SmolLM2 job: the engine gets both
+    # A reference in the actor's processes has no ranks of its own: it computes with the actor's threads.
+    hosted = JobLayout(actor=actor, reference=RoleLayout(pool="actor", gpus=2, tp=1, pp=2, dp=1, host="actor"),
+                       rollout=RolloutLayout("rollout", 2, engines=1, tp=2), device="cpu", total_gpus=4,
+                       dtype="float32")
+    cfg.resources.num_cpus, cfg.trainer.off_policy_steps = 12, 1  # 2 actor ranks + 2 vLLM workers at once
+    assert job_threads(cfg, hosted) == {"actor": 3, "reference": 3, "rollout": 3}
 
 
 def test_vllm_cpu_threads_bind_gives_each_worker_its_own_cores():
