@@ -194,7 +194,7 @@ def run_bench(spec: str, overrides: list[str], steps: int, warmup: int, validate
             val["val_questions"] = len(trainer.val_set)
         memory = {"driver": [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]}
         memory["actor"] = trainer.actor.peak_memory_mb()
-        if trainer.reference is not None:
+        if trainer.reference is not None and layout.reference.host is None:  # else in the actor's processes
             memory["reference"] = trainer.reference.peak_memory_mb()
         if trainer.critic is not None:
             memory["critic"] = trainer.critic.peak_memory_mb()

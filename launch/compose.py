@@ -49,7 +49,7 @@ def reference_spec(cfg: JobConfig, layout: JobLayout, threads: dict[str, int]) -
                      threads=threads["reference"], **reference_shape(cfg))
 
 
-def megatron_roles(cfg: JobConfig, layout: JobLayout, actor: RoleSpec, pools: ResourcePools,
+def actor_and_reference(cfg: JobConfig, layout: JobLayout, actor: RoleSpec, pools: ResourcePools,
                    threads: dict[str, int]) -> dict[str, Callable[[], Any]]:
     """The makers of the actor and, when the job has one, the reference: in the actor's processes
     (``RoleLayout.host``, reference.colocate) or in its own."""
@@ -179,7 +179,7 @@ def build_roles(cfg: JobConfig, layout: JobLayout) -> Roles:
                           threads=threads["actor"], shared_prompt=a.shared_prompt,
                           max_tokens_per_micro_batch=a.max_tokens_per_micro_batch,
                           lr_schedule=role_schedule(cfg, "actor"))
-        made = megatron_roles(cfg, layout, actor, pools, threads)  # the reference only when a KL term needs it
+        made = actor_and_reference(cfg, layout, actor, pools, threads)  # the reference only when a KL term needs it
         if layout.critic:  # PPO's value model: only when the advantage estimator needs values
             made["critic"] = _megatron(role_spec("critic", layout.critic, layout, c.model_path or cfg.model.path,
                                                  c.micro_batch_size, seed, head="value", optim=c.optim,
@@ -227,7 +227,7 @@ def build_preference_roles(cfg: JobConfig, layout: JobLayout) -> Roles:
         actor = role_spec("actor", layout.actor, layout, cfg.model.path, a.micro_batch_size, seed,
                           head=objective.head, optim=a.optim, threads=threads["actor"],
                           lr_schedule=role_schedule(cfg, "actor"))
-        made = megatron_roles(cfg, layout, actor, pools, threads)
+        made = actor_and_reference(cfg, layout, actor, pools, threads)
         if layout.rollout:
             made["rollout"] = _rollout(cfg, layout, pools, threads["rollout"])
         return made

@@ -11,12 +11,14 @@ as it was. ``restarts`` counts them for the run (``rollout/engine_restarts``); t
 
 Restarts happen on the thread that built this object (the trainer's). A generation that runs ahead
 on the rollout queue's producer thread (``trainer.off_policy_steps`` > 0) is not restarted there: the
-actor trains meanwhile, so the weights its version needs are gone; that death stops the run. With
-``rollout.partial_rollouts`` the sync does not wait for that generation, so it may find the engine
-dead while the generation is still in flight: it cannot be finished (its requests died with the
-engine, the weights of its first tokens are gone), and the sync does not restart the engine either;
-that death stops the run too. (If the generation's failure came first, the sync restarts the engine
-as without partial rollouts, and the run stops at the step of the failed batch, as then.)
+actor trains meanwhile, so the weights of the version it was scheduled for are gone. It fails with
+``EngineDiedAhead``; the trainer's next sync (or generation) meets the dead engine and restarts it, and
+the rollout queue samples that batch again at its step, on the trainer's thread, with the current
+weights (its lag is then 0; the run is no longer reproducible to the bit, as with any restart ahead).
+With ``rollout.partial_rollouts`` the sync does not wait for the batch generating ahead, so it may
+meet the dead engine while that generation is still in flight: it waits for the generation to end
+(its requests died with the engine: it fails within ``rollout.engine_timeout_s``) before restarting,
+and a generation ahead that would start during the restart fails at once, to be sampled again too.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import threading
 from typing import Protocol
 
 from rlcore.config import RolloutConfig
-from rlcore.faults import EngineDied
+from rlcore.faults import EngineDied, EngineDiedAhead
 from rlcore.roles import Generator
 from rlcore.weight_sync import WeightReceiver, WeightSender, connect_weight_sync, sync_weights
 
@@ -45,14 +47,17 @@ class EngineRestarts:
         self.version = 0  # the weight version every engine holds: the last completed sync's
         self._thread = threading.get_ident()
         self._ahead = 0  # generations in flight on other threads (the rollout queue's producer)
-        self._ahead_lock = threading.Lock()
+        self._restarting: list[int] = []  # the engines restarted, until the sync after it: nothing generates ahead
+        self._ahead_changed = threading.Condition()
 
     def generate(self, prompt_ids: list[list[int]], **sampling):
         """``rollout.generate``; after a dead engine was replaced and given version ``self.version``,
         the same call again."""
         ahead = threading.get_ident() != self._thread
         if ahead:
-            with self._ahead_lock:
+            with self._ahead_changed:
+                if self._restarting:  # a restarted engine holds the checkpoint's weights until the sync
+                    raise EngineDiedAhead(self._restarting, "generation ahead of its step", "it was being restarted")
                 self._ahead += 1
         try:
             while True:
@@ -63,8 +68,9 @@ class EngineRestarts:
                     self.sync_weights(self.version)
         finally:
             if ahead:
-                with self._ahead_lock:
+                with self._ahead_changed:
                     self._ahead -= 1
+                    self._ahead_changed.notify_all()
 
     def sync_weights(self, version: int) -> list:
         """The actor's current weights into every engine as ``version``; redone after a dead engine was
@@ -77,22 +83,24 @@ class EngineRestarts:
             except EngineDied as died:
                 self._replace(died)
         self.version = version
+        with self._ahead_changed:
+            self._restarting = []
         return reports
 
     def _replace(self, died: EngineDied) -> None:
         """Restarts the dead engines and rebuilds the weight-sync groups (again if one dies meanwhile),
-        or raises the sentence that stops the run."""
+        or raises the sentence that stops the run; on another thread, ``EngineDiedAhead``."""
+        if threading.get_ident() != self._thread:
+            raise EngineDiedAhead(died.engines, died.during + " ahead of its step", died.cause,
+                                  " while the actor trained (trainer.off_policy_steps > 0); the trainer restarts it "
+                                  "and samples that batch again at its step") from died
+        with self._ahead_changed:
+            # Only with rollout.partial_rollouts: a sync while a batch generates ahead. That generation
+            # ends within rollout.engine_timeout_s (its requests died with the engine); then nothing
+            # generates ahead until the sync after the restart.
+            self._ahead_changed.wait_for(lambda: self._ahead == 0)
+            self._restarting = sorted(set(self._restarting) | set(died.engines))
         while True:
-            if threading.get_ident() != self._thread:
-                raise EngineDied(died.engines, died.during + " ahead of its step", died.cause,
-                                 " while the actor trained (trainer.off_policy_steps > 0), so the weights its "
-                                 "batch needs are gone and it is not restarted: stopping, the last checkpoint "
-                                 "is intact") from died
-            if self._ahead:  # only with rollout.partial_rollouts: a sync while a batch generates ahead
-                raise EngineDied(died.engines, died.during, died.cause,
-                                 " while a batch generated ahead on the engines (rollout.partial_rollouts), so that "
-                                 "batch cannot be finished and the engine is not restarted: stopping, the last "
-                                 "checkpoint is intact") from died
             if self.restarts + len(died.engines) > self.cfg.max_engine_restarts:
                 raise EngineDied(died.engines, died.during, died.cause,
                                  f" after {self.restarts} engine restart(s) in this run, the limit of "

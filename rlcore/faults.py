@@ -22,6 +22,12 @@ class EngineDied(RunStopped):
                          f"({cause}){then}")
 
 
+class EngineDiedAhead(EngineDied):
+    """An engine died under a generation ahead of its step (``trainer.off_policy_steps`` > 0), on the
+    rollout queue's producer thread. That thread restarts nothing: the trainer's thread does (in its
+    next sync or generation) and the queue samples the batch again at its step."""
+
+
 class RankDied(RunStopped):
     """Rank ``rank`` of the Megatron role ``role`` died during ``during``."""
 

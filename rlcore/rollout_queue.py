@@ -14,6 +14,11 @@ the generation between two of their steps for it, and the run is no longer repro
 
 K = 0 is the synchronous loop: ``take`` samples inline, on the caller's thread.
 
+A batch whose sampling failed with one of ``redo_on`` (an engine that died under it: the trainer
+restarts it, rlcore/engine_restarts.py) is sampled again at its step, on the caller's thread, from
+the loader position before it; the batches queued after it fail at once without touching the engines
+(they are drawn again after it). Any other error is raised at the batch's step.
+
 The queue knows nothing of Ray or the roles: ``sample_fn(b)`` is the trainer's own sampling (rollout,
 reward scoring, dynamic sampling, baseline rollouts), ``loader_state_fn()`` the prompt loader's
 position. A checkpoint saved after step ``k`` holds the batches ``k + 1 .. k + K``, complete by then
@@ -45,11 +50,17 @@ class _Queued:
 
 class RolloutQueue:
     def __init__(self, sample_fn: Callable[[int], Any], off_policy_steps: int,
-                 loader_state_fn: Callable[[], dict], last_batch: Optional[int] = None):
+                 loader_state_fn: Callable[[], dict], last_batch: Optional[int] = None,
+                 loader_restore_fn: Optional[Callable[[dict], None]] = None,
+                 redo_on: tuple[type[BaseException], ...] = ()):
         if off_policy_steps < 0:
             raise ValueError(f"trainer.off_policy_steps={off_policy_steps} must not be negative")
+        if redo_on and loader_restore_fn is None:
+            raise ValueError("rollout queue: redoing a failed batch needs loader_restore_fn")
         self.off_policy_steps = off_policy_steps
         self._sample, self._loader_state = sample_fn, loader_state_fn
+        self._restore_loader, self.redo_on = loader_restore_fn, redo_on
+        self._failed: Optional[BaseException] = None  # a redo_on error of a queued batch, until it is redone
         self.last_batch = last_batch  # nothing is generated ahead past it (trainer.total_steps)
         self._pending: dict[int, _Queued] = {}  # submitted, not yet taken
         self._next: Optional[int] = None  # the next batch to submit
@@ -73,12 +84,32 @@ class RolloutQueue:
             queued = self._pending[self._next] = _Queued()
             queued.future = self._executor.submit(self._sample_with_loader_state, self._next, queued)
             self._next += 1
-        return self._pending.pop(step).future.result()
+        queued = self._pending.pop(step)
+        try:
+            return queued.future.result()
+        except self.redo_on:
+            return self._redo(step, queued.loader_state)
+
+    def _redo(self, step: int, loader_before: dict) -> Any:
+        """Batch ``step`` sampled again on this thread, drawn from ``loader_before``; the batches after
+        it are dropped (they failed at once) and submitted again from the next ``take``."""
+        self.wait_idle()
+        self._pending.clear()
+        self._failed = None
+        self._restore_loader(loader_before)
+        self._next = step + 1
+        return self._sample(step)
 
     def _sample_with_loader_state(self, batch: int, queued: _Queued) -> Any:
         # Runs on the producer thread, the only one that draws from the loader while batches are queued.
         queued.loader_state = self._loader_state()
-        return self._sample(batch)
+        if self._failed is not None:  # an earlier batch is sampled again first (the engines may be restarting)
+            raise self._failed
+        try:
+            return self._sample(batch)
+        except self.redo_on as e:
+            self._failed = e
+            raise
 
     def wait_idle(self) -> None:
         """Blocks until no generation is in flight (before a weight sync, a validation, a checkpoint).
@@ -123,6 +154,7 @@ class RolloutQueue:
             self._executor = None
         self._pending.clear()
         self._next = None
+        self._failed = None
 
 
 def staleness(trajectory_versions: list[int], trainer_version: int, off_policy_steps: int) -> dict[str, float]:

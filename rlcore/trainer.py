@@ -26,6 +26,7 @@ from rlcore.batch import Batch, Trajectory, build_batch
 from rlcore.config import JobConfig, on_policy_update, resolved_critic
 from rlcore.data import PromptItem, Task
 from rlcore.engine_restarts import EngineRestarts
+from rlcore.faults import EngineDiedAhead
 from rlcore.loop import StepLoop
 from rlcore.metrics import timer
 from rlcore.nonfinite import NonFiniteGuard
@@ -54,8 +55,10 @@ class Trainer(StepLoop):
         self.engines = EngineRestarts(self.actor, self.rollout, cfg.rollout)
         # Sampling inline (off_policy_steps 0) or ahead on a producer thread; weight syncs, validation
         # and checkpoints wait for it to go idle.
+        # A batch whose engine died under it ahead of its step is sampled again at its step (EngineDiedAhead).
         self.rollouts = RolloutQueue(self.sample_batch, cfg.trainer.off_policy_steps, self.loader.state_dict,
-                                     last_batch=cfg.trainer.total_steps)
+                                     last_batch=cfg.trainer.total_steps, loader_restore_fn=self.loader.load_state_dict,
+                                     redo_on=(EngineDiedAhead,))
 
     @property
     def reward_fn(self):

@@ -121,42 +121,69 @@ def test_no_stale_prefix_cache_after_a_partial_rollout(setup):
     assert pool.versions() == [v + 2]
 
 
-def test_an_engine_dying_under_a_partial_rollout_stops_the_run(setup):
+def test_an_engine_dying_under_a_partial_rollout_is_restarted_after_the_generation_ahead_ends(setup):
     """The restart policy with a generation in flight on another thread (the producer's, held on the
-    engine): a dead engine reported by the sync is not restarted, in one sentence; the engine then
-    really dies (SIGKILL) and the held generation stops with the sentence of a death ahead of its
-    step. The last test on the module's engine: it kills it."""
+    engine): the sync that meets the dead engine waits for that generation to end before it restarts
+    anything; the engine then really dies (SIGKILL), the held generation fails as a death ahead of its
+    step (the queue samples that batch again at its step), and only then does the policy decide (here
+    max_engine_restarts=0: the sentence that stops the run, so no actor is needed), after which no
+    generation ahead may start. The last test on the module's engine: it kills it."""
     import os
     import signal
+    import time
 
     from rlcore.engine_restarts import EngineRestarts
-    from rlcore.faults import EngineDied
+    from rlcore.faults import EngineDied, EngineDiedAhead
 
     pool = setup["pool"]
-    # The actor (the sync's sender) is never reached: the policy decides before any sync is redone.
-    restarts = EngineRestarts(None, pool, RolloutConfig(engines=1, partial_rollouts=True, engine_timeout_s=120))
+    restarts = EngineRestarts(None, pool, RolloutConfig(engines=1, partial_rollouts=True, engine_timeout_s=120,
+                                                        max_engine_restarts=0))
     pool.hold_after_steps(2)
-    raised = {}
+    raised, order = {}, []
 
     def produce():
         try:
             restarts.generate([[1, 5, 6, 7]], n=2, max_tokens=8)
-        except EngineDied as e:
+        except EngineDiedAhead as e:
             raised["generation"] = e
+            order.append("generation failed")
+
+    def kill_later():  # the engine really dies while the trainer's thread waits below
+        time.sleep(3)
+        order.append("killed")
+        os.kill(pool.pids()[0], signal.SIGKILL)
 
     producer = threading.Thread(target=produce, daemon=True)
     producer.start()
     assert pool.wait_held(300) == [True]
+    threading.Thread(target=kill_later, daemon=True).start()
     with pytest.raises(EngineDied) as err:  # what the trainer's sync calls when it meets a dead engine
         restarts._replace(EngineDied([0], "the weight sync to version 9"))
-    assert str(err.value) == (
-        "rollout engine 0 died during the weight sync to version 9 (its process exited) while a batch generated "
-        "ahead on the engines (rollout.partial_rollouts), so that batch cannot be finished and the engine is not "
-        "restarted: stopping, the last checkpoint is intact")
-    os.kill(pool.pids()[0], signal.SIGKILL)
+    order.append("policy decided")
     producer.join(300)
+    # It waited for the held generation: that ended only once the engine was killed.
+    assert order == ["killed", "generation failed", "policy decided"]
+    raised["sync"] = err.value
     assert str(raised["generation"]).startswith("rollout engine 0 died during generation ahead of its step")
+    assert "the trainer restarts it and samples that batch again at its step" in str(raised["generation"])
+    assert str(raised["sync"]) == (
+        "rollout engine 0 died during the weight sync to version 9 (its process exited) after 0 engine restart(s) "
+        "in this run, the limit of rollout.max_engine_restarts=0: stopping, the last checkpoint is intact")
+    late = []  # a generation ahead after the restart began (on the producer's thread, as in a run)
+    ahead = threading.Thread(target=lambda: late.append(_raises(restarts.generate, [[1, 5]], n=1)))
+    ahead.start()
+    ahead.join(60)
+    assert isinstance(late[0], EngineDiedAhead), late
+    assert str(late[0]).startswith("rollout engine 0 died during generation ahead of its step (it was being restarted)")
     assert restarts.restarts == 0
+
+
+def _raises(fn, *args, **kwargs) -> BaseException | None:
+    try:
+        fn(*args, **kwargs)
+    except BaseException as e:  # handed to the test's thread
+        return e
+    return None
 
 
 def test_partial_rollouts_need_a_batch_generating_ahead(files):

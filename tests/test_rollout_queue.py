@@ -138,6 +138,52 @@ def test_a_failed_batch_raises_at_its_own_step_not_at_the_sync_before():
         queue.close()
 
 
+class EngineGone(RuntimeError):
+    """Stands in for rlcore.faults.EngineDiedAhead: an error the queue redoes the batch for."""
+
+
+def test_a_batch_whose_engine_died_ahead_is_sampled_again_at_its_step_on_the_callers_thread():
+    """Batch 3 fails ahead with a redo_on error (once), on the producer thread: batch 4, queued after
+    it, fails at once without sampling; at step 3 the queue waits, puts the loader back to before
+    batch 3 and samples it on the caller's thread with the weights of then; batch 4 is submitted
+    again at step 4 and drawn after it."""
+    engine, calls = FakeEngine(), []
+    engine.inline = True  # the redone batch runs on the main thread
+    failed = []
+
+    def sample(batch):
+        calls.append((batch, threading.current_thread() is threading.main_thread()))
+        if batch == 3 and not failed:
+            failed.append(batch)
+            engine.position += 1  # it drew its prompts before the engine died
+            raise EngineGone("engine 0 died during generation ahead of its step")
+        return engine.sample(batch)
+
+    def restore(state):
+        engine.position = state["position"]
+
+    queue = RolloutQueue(sample, 2, lambda: {"position": engine.position}, last_batch=6,
+                         loader_restore_fn=restore, redo_on=(EngineGone,))
+    got = []
+    try:
+        for step in range(1, 7):
+            batch, version = queue.take(step)
+            got.append((batch, version, engine.position))
+            queue.wait_idle()
+            engine.sync(engine.version + 1)
+    finally:
+        queue.close()
+    # Batch 3 was made by version 2 (its step's weights; scheduled: version 0); the others as scheduled
+    # from where the redo left them: batch 4 submitted at step 4 with batches 5, 6 after it.
+    assert [(b, v) for b, v, _ in got] == [(1, 0), (2, 0), (3, 2), (4, 3), (5, 3), (6, 3)]
+    assert (3, True) in calls and (4, False) in calls  # batch 3 again inline; batch 4 on the producer
+    assert calls.count((4, False)) == 1  # the poisoned batch 4 never sampled: the failure raised first
+    assert engine.position == 6  # every batch drawn once in the end, in order
+    assert [p for _, _, p in got][2] == 3  # right after batch 3's redo: 3 batches drawn
+    with pytest.raises(ValueError, match="needs loader_restore_fn"):
+        RolloutQueue(sample, 1, lambda: {}, redo_on=(EngineGone,))
+
+
 def test_steps_must_come_in_order():
     queue = RolloutQueue(lambda b: b, 1, lambda: {})
     try:
