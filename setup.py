@@ -47,5 +47,5 @@ setup(
         "mlflow": MLFLOW,
         "test": ["pytest>=8", "pytest-timeout", *SMOLLM2, *WANDB, *MLFLOW],
     },
-    entry_points={"console_scripts": ["rlx=launch.cli:main"]},
+    entry_points={"console_scripts": ["rlx=launch.cli:entry"]},
 )
