@@ -12,7 +12,7 @@ import pytest
 
 from rlcore.job import load_job
 from rlcore.validate import validate
-from tests.runs import train_cli
+from tests.runs import ONE_RANK, train_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -35,7 +35,7 @@ def test_ppo_quickstart_steps_train_the_critic(tmp_path, tiny_assets):
 
 
 def test_dapo_spec_fills_the_batch_with_groups_that_carry_signal(tmp_path, tiny_assets):
-    steps = _train("yaml_configs/dapo_quickstart_cpu.yaml", tmp_path, *tiny_assets, "trainer.total_steps=2")
+    steps = _train("yaml_configs/dapo_quickstart_cpu.yaml", tmp_path, *tiny_assets, "trainer.total_steps=2", *ONE_RANK)
     for x in steps:
         assert 1 <= x["dynamic_sampling/gen_batches"] <= 8
         assert x["reward/overlong_penalty_mean"] <= 0.0
@@ -46,8 +46,9 @@ def test_dapo_spec_fills_the_batch_with_groups_that_carry_signal(tmp_path, tiny_
 
 @pytest.fixture(scope="module")
 def quickstart_trainer(tiny_assets):
-    """The quickstart spec, smaller (4 prompts x 4 samples), as one in-process Trainer: each test
-    changes its settings for a step and puts them back."""
+    """The quickstart spec, smaller (4 prompts x 4 samples, the actor on one rank: the subject is the
+    losses, not the layout), as one in-process Trainer: each test changes its settings for a step and
+    puts them back."""
     import ray
 
     from launch.compose import build_trainer
@@ -55,7 +56,7 @@ def quickstart_trainer(tiny_assets):
     model, data = tiny_assets
     cfg = load_job("yaml_configs/quickstart_cpu.yaml", [
         f"model.path={model}", f"data.train_files=[{data}]", "data.val_files=[]", "trainer.val_every=0",
-        "trainer.logger=[console,jsonl]", "data.batch_size=4", "rollout.n=4", "actor.micro_batch_size=8"])
+        "trainer.logger=[console,jsonl]", "data.batch_size=4", "rollout.n=4", "actor.micro_batch_size=8", *ONE_RANK])
     trainer = None
     try:
         trainer = build_trainer(cfg, validate(cfg))
