@@ -57,17 +57,21 @@ def model_dir(tmp_path_factory):
 def rollouts(cluster, model_dir):
     from rollout import RolloutPool
 
+    from functools import partial
+
+    from launch.compose import start_roles
+
     start = make_tiny_model(str(model_dir / "rollout-start"), seed=100)
-    pools = {}
+    # All at once, as a job starts its roles (a failure shuts down the ones that came up).
+    pools = start_roles({name: partial(RolloutPool, start, RolloutConfig(engines=engines, tp=tp, kv_cache_gb=0.25,
+                                                                         cpu_prepack=ROLLOUT_PREPACK[name]),
+                                       cluster.placement(name), "cpu", "float32", seed=0)
+                         for name, (engines, tp) in ROLLOUT_LAYOUTS.items()})
     try:
-        for name, (engines, tp) in ROLLOUT_LAYOUTS.items():
-            pools[name] = RolloutPool(start, RolloutConfig(engines=engines, tp=tp, kv_cache_gb=0.25,
-                                                           cpu_prepack=ROLLOUT_PREPACK[name]),
-                                      cluster.placement(name), "cpu", "float32", seed=0)
         yield pools
     finally:
-        for pool in pools.values():
-            pool.shutdown()
+        for p in pools.values():
+            p.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -46,21 +46,26 @@ def setups(cluster, tmp_path_factory):
 
     from rollout import RolloutPool
 
+    from functools import partial
+
+    from launch.compose import start_roles
+
     root = tmp_path_factory.mktemp("rollout-sync")
-    out = {}
-    try:
-        for case, c in CASES.items():
-            dirs = [make_tiny_model(str(root / f"{case}-{s}"), seed=s, tie_word_embeddings=c["tied"],
-                                    max_position_embeddings=MAX_LEN) for s in c["seeds"]]
-            hf = [AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval() for d in dirs]
-            pool = RolloutPool(dirs[0], RolloutConfig(engines=c["engines"], tp=c["tp"], kv_cache_gb=0.25,
-                                                      cpu_prepack=c.get("cpu_prepack", True)),
+    models, makers = {}, {}
+    for case, c in CASES.items():
+        dirs = [make_tiny_model(str(root / f"{case}-{s}"), seed=s, tie_word_embeddings=c["tied"],
+                                max_position_embeddings=MAX_LEN) for s in c["seeds"]]
+        models[case] = dirs, [AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval() for d in dirs]
+        makers[case] = partial(RolloutPool, dirs[0], RolloutConfig(engines=c["engines"], tp=c["tp"], kv_cache_gb=0.25,
+                                                                   cpu_prepack=c.get("cpu_prepack", True)),
                                cluster.placement(case), "cpu", "float32", seed=0)
-            out[case] = dict(pool=pool, hf_a=hf[0], hf_b=hf[1], dir_a=dirs[0])
-        yield out
+    pools = start_roles(makers)  # all at once, as a job starts its roles
+    try:
+        yield {case: dict(pool=pools[case], hf_a=hf[0], hf_b=hf[1], dir_a=dirs[0])
+               for case, (dirs, hf) in models.items()}
     finally:
-        for s in out.values():
-            s["pool"].shutdown()
+        for pool in pools.values():
+            pool.shutdown()
 
 
 def _free_port() -> int:
