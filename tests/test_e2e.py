@@ -84,6 +84,7 @@ def test_quickstart_steps_end_to_end_until_the_reward_function_raises(tmp_path, 
     assert train[0]["actor/clip_frac"] == 0.0
     assert [x["weights/version"] for x in train] == [1.0, 2.0]
     assert [x["rollout/weight_version"] for x in train] == [0.0, 1.0]  # step 2 sampled from step 1's sync
+    assert [x["rollout/staleness_max"] for x in train] == [0.0, 0.0]  # synchronous: no trajectory lags
     assert all(x["rollout/logprob_diff_max"] <= 1e-3 for x in train)  # step 2 sampled from synced weights
     assert "val/reward_mean" in lines[0] and "val/reward_mean" in lines[2]
     assert list((run_dir / "tensorboard").iterdir()), "no TensorBoard event files"

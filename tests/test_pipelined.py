@@ -42,21 +42,25 @@ def ahead_run(tmp_path_factory, tiny_assets):
                            "trainer.off_policy_steps=1", f"trainer.save_every={SAVED}")
 
 
-def test_one_step_off_policy_quickstart_learns_like_the_synchronous_run(tmp_path, tiny_assets, ahead_run):
-    sync = _train("yaml_configs/quickstart_cpu.yaml", tmp_path / "sync", *tiny_assets, f"trainer.total_steps={STEPS}")
+# The synchronous run of the same spec and overrides (ONE_RANK, STEPS steps, seed 1), measured on a 2-core
+# AVX2 box (2026-12-02): mean reward 0.0781, 0.0859, 0.0977, 0.1055, 0.125 over steps 1-5 and 0.375, 0.4414,
+# 0.4414, 0.418, 0.4609 over steps 26-30, a gain of 0.329 (45 s of wall time, which this test no longer spends
+# on running it again; its steps 1-5 are also the README quickstart table's, TP2). Staleness 0 in a
+# synchronous run is tests/test_e2e.py's and tests/test_rollout_queue.py's.
+SYNC_REWARD_GAIN = 0.329
+
+
+def test_one_step_off_policy_quickstart_learns_like_the_synchronous_run(ahead_run):
     _, ahead = ahead_run
     assert [r["step"] for r in ahead] == list(range(1, STEPS + 1))
     # Every trajectory lags the weights it is trained from by at most one version: step k's batch was
     # sampled by version k-2 (step 1's by the start weights), and the update starts from version k-1.
     assert [r["rollout/staleness_max"] for r in ahead] == [0.0] + [1.0] * (STEPS - 1)
     assert [r["rollout/weight_version"] for r in ahead] == [float(max(0, k - 2)) for k in range(1, STEPS + 1)]
-    assert all(r["rollout/staleness_max"] == 0.0 for r in sync)
-    # Learns: the reward rises by at least half as much as in the synchronous run (measured: 0.25 and
-    # 0.33 from the first five steps to the last five, with the quickstart's TP2 actor before ONE_RANK).
-    gain = {name: _mean(rows[-5:], "reward/mean") - _mean(rows[:5], "reward/mean")
-            for name, rows in (("sync", sync), ("ahead", ahead))}
-    assert gain["sync"] > 0.2, gain
-    assert gain["ahead"] > 0.5 * gain["sync"], gain
+    # Learns: the reward rises from the first five steps to the last five by at least half as much as in
+    # the synchronous run (SYNC_REWARD_GAIN).
+    gain = _mean(ahead[-5:], "reward/mean") - _mean(ahead[:5], "reward/mean")
+    assert gain > 0.5 * SYNC_REWARD_GAIN, gain
 
 
 def test_dynamic_sampling_and_remax_baselines_run_two_steps_ahead_with_validation(tmp_path, tiny_assets):
