@@ -85,6 +85,82 @@ def reference_run(tiny_assets, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def interrupted_run(tiny_assets, tmp_path_factory):
+    """The small quickstart (tests/runs.py) interrupted twice in one run_dir, as a preempted and then
+    OOM-killed job is: SIGTERMed twice after step 1 with trainer.save_every=0 (tests/test_preemption.py),
+    rerun with a checkpoint every step and SIGKILLed (the driver alone, in its own session) once the
+    first checkpoint after the resume is complete (tests/test_checkpoint.py), rerun to the end. Every
+    leg logs to MLflow too: one tracker run must span all three. One interrupted run for both modules:
+    three start-ups instead of four. A ``tests.runs.InterruptedRun``."""
+    import signal
+    import time
+
+    from tests.procs import GRACE_S, ProcessWatch
+    from tests.runs import REPO, InterruptedRun, small_quickstart_cmd, step_metrics
+
+    model, data = tiny_assets
+    root = tmp_path_factory.mktemp("interrupted")
+    run_dir, metrics, latest = root / "run", root / "run" / "metrics.jsonl", root / "run" / "checkpoints" / "latest"
+    mlflow = "trainer.logger=[console,jsonl,mlflow]"
+
+    def wait_for(done, proc, log, what):
+        deadline = time.monotonic() + 600
+        while not done():
+            assert proc.poll() is None, f"the run ended before {what}:\n" + log.read_text()[-4000:]
+            assert time.monotonic() < deadline, f"no {what} within 10 minutes"
+            time.sleep(0.05)
+
+    # Leg 1: SIGTERM twice (the second while it finishes the step or saves) once step 1 is logged.
+    log1 = root / "stopped.log"
+    with open(log1, "w") as out:
+        proc = subprocess.Popen(small_quickstart_cmd(model, data, run_dir, mlflow), cwd=REPO, stdout=out,
+                                stderr=subprocess.STDOUT)
+    watch = ProcessWatch(proc.pid)
+    try:
+        wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 1, proc, log1, "step 1")
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        stopped_code = proc.wait(timeout=600)
+    finally:
+        watch.stop()
+    stopped_left = watch.wait_until_none_left(GRACE_S)
+    assert stopped_code == 75, f"the SIGTERMed run exited {stopped_code}, not 75:\n" + log1.read_text()[-4000:]
+    stopped_after = max(step_metrics(run_dir))
+    assert stopped_after in (1, 2), f"SIGTERMed after step 1, it stopped after step {stopped_after}, not the " \
+                                    "step in flight"
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_"))
+
+    # Leg 2: resume=auto with a checkpoint every step; SIGKILL once the next one is complete.
+    log2, first_save = root / "killed.log", f"step_{stopped_after + 1:08d}"
+    with open(log2, "w") as out:
+        proc = subprocess.Popen(small_quickstart_cmd(model, data, run_dir, "trainer.save_every=1", mlflow), cwd=REPO,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    watch = ProcessWatch(proc.pid)
+    try:
+        wait_for(lambda: latest.exists() and latest.read_text().strip() == first_save, proc, log2,
+                 f"checkpoint {first_save}")
+        os.kill(proc.pid, signal.SIGKILL)  # the driver alone, mid-step: as when it is OOM-killed
+        killed_code = proc.wait()
+        watch.stop()
+        killed_left = watch.wait_until_none_left(GRACE_S)
+    finally:
+        try:  # only if the reaper failed: whatever of its session is left, before the resume
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    logged_before_kill = max(step_metrics(run_dir))
+
+    # Leg 3: resume=auto again, to the end.
+    resumed = subprocess.run(small_quickstart_cmd(model, data, run_dir, mlflow), cwd=REPO, capture_output=True,
+                             text=True, timeout=900)
+    return InterruptedRun(run_dir, stopped_code, log1.read_text(), stopped_after, checkpoints, stopped_left,
+                          killed_code, log2.read_text(), set(watch.markers),
+                          any("raylet" in cmd for _, cmd in watch.seen.values()), killed_left, logged_before_kill,
+                          resumed)
+
+
+@pytest.fixture(scope="session")
 def tracked_short_run(tiny_assets, tmp_path_factory):
     """One short `rlx train` of the quickstart (2 steps, 4 prompts x 4 samples) with every tracker on:
     an offline W&B run and an MLflow file store (the logger opts in to it itself), and the reference

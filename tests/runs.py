@@ -64,3 +64,26 @@ class WatchedRun:
     log: Path
     saw_raylet: bool
     left: list[tuple[int, str]]
+
+
+@dataclass
+class InterruptedRun:
+    """The small quickstart interrupted twice in one run_dir (conftest.py interrupted_run), with every
+    process watched: SIGTERMed twice after step 1 with no periodic checkpoints (it saves the step it
+    finished, ``stopped_after``, and exits 75), rerun with a checkpoint every step and SIGKILLed (the
+    driver alone) in the step after its first checkpoint, rerun again to the end. Each leg's exit
+    status, output and the processes still alive 30 s after it ended (GRACE_S); the checkpoints and
+    logged steps left after the SIGTERM and after the SIGKILL."""
+    run_dir: Path
+    stopped_code: int
+    stopped_log: str
+    stopped_after: int
+    checkpoints_after_stop: list[str]
+    stopped_left: list[tuple[int, str]]
+    killed_code: int
+    killed_log: str
+    killed_markers: set[str]
+    killed_saw_raylet: bool
+    killed_left: list[tuple[int, str]]
+    logged_before_kill: int
+    resumed: subprocess.CompletedProcess

@@ -12,7 +12,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -20,8 +19,7 @@ import torch
 from rlcore.checkpoint import (LATEST, MANIFEST, QUEUED, QUEUED_KEY, TMP_PREFIX, CheckpointError,
                                find_resume_checkpoint, list_checkpoints, load_queued_samples, save_checkpoint,
                                trim_metrics, verify_checkpoint, write_manifest)
-from tests.procs import ProcessWatch, assert_none_left
-from tests.runs import QUICKSTART as SPEC, SMALL_STEPS, small_quickstart, small_quickstart_cmd, step_metrics
+from tests.runs import QUICKSTART as SPEC, SMALL_STEPS, small_quickstart, step_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -130,7 +128,6 @@ def test_bad_resume_and_save_keys_are_config_errors():
 
 # --------------------------------------------------------------------------- real stack (e2e)
 STEPS = SMALL_STEPS
-MLFLOW = "trainer.logger=[console,jsonl,mlflow]"  # the resumed run must continue the same MLflow run
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -139,59 +136,43 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 @pytest.mark.e2e
-def test_sigkill_mid_step_then_resume_auto_reproduces_the_run(tiny_assets, reference_run, tmp_path, monkeypatch):
-    """SIGKILL of the driver alone during step 3 (checkpoint of step 2 complete, so megatron's checkpoint
-    writer ran in every rank), then `rlx train` again with the default resume=auto: steps 3-4 equal the
-    uninterrupted run's (tests/conftest.py reference_run) EXACTLY (every non-timing metric, max |diff|
-    == 0). Why exact: the restored state is bitwise the saved one (model, Adam moments and step, lr
-    scheduler, dataloader position, RNG states, weight version), the engine gets the restored weights
+def test_sigkill_mid_step_then_resume_auto_reproduces_the_run(interrupted_run, reference_run, monkeypatch):
+    """SIGKILL of the driver alone in the step after its first checkpoint (tests/conftest.py
+    interrupted_run, leg 2: a run resumed after a SIGTERM, saving every step, so megatron's checkpoint
+    writer ran in every rank), then `rlx train` again with the default resume=auto: every step equals
+    the uninterrupted run's (tests/conftest.py reference_run) EXACTLY (every non-timing metric, max
+    |diff| == 0). Why exact: the restored state is bitwise the saved one (model, Adam moments and step,
+    lr scheduler, dataloader position, RNG states, weight version), the engine gets the restored weights
     by the same weight sync, vLLM's sampling is seeded per step (seed * 100003 + step), and Megatron
     on CPU fp32 with gloo is deterministic for a fixed layout.
 
     And no process outlives the killed driver: no exit handler of it runs, Ray's processes lose their
     parent, the reaper (rlcore/reaper.py) ends what is left (tests/test_processes.py has the rest)."""
-    model, data = tiny_assets
-    run_dir = tmp_path / "run"
-    latest = run_dir / "checkpoints" / LATEST
-    log = tmp_path / "killed_run.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(small_quickstart_cmd(model, data, run_dir, "trainer.save_every=1", MLFLOW), cwd=REPO,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    watch = ProcessWatch(proc.pid)
-    try:
-        deadline = time.monotonic() + 600
-        while not (latest.exists() and latest.read_text().strip() == "step_00000002"):
-            assert proc.poll() is None, "the run ended before its step-2 checkpoint:\n" + log.read_text()[-4000:]
-            assert time.monotonic() < deadline, "no step-2 checkpoint within 10 minutes"
-            time.sleep(0.05)
-        os.kill(proc.pid, signal.SIGKILL)  # the driver alone, in step 3: as when it is OOM-killed
-        assert proc.wait() == -signal.SIGKILL
-        assert_none_left(watch, log.read_text())
-    finally:
-        try:  # only if the reaper failed: whatever of its session is left, before the resume
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert max(step_metrics(run_dir)) <= 3, "killed after step 3 ended"
+    run = interrupted_run
+    saved = run.stopped_after + 1  # the killed leg's first checkpoint
+    assert run.killed_code == -signal.SIGKILL
+    assert run.killed_markers, "the run's Ray processes carry no marker:\n" + run.killed_log[-3000:]
+    assert run.killed_saw_raylet, "the watch never saw the killed run's Ray"
+    assert run.killed_left == [], f"{len(run.killed_left)} process(es) of the killed run still alive: {run.killed_left}"
+    assert run.logged_before_kill <= saved + 1, "killed after the step after its checkpoint ended"
 
-    resumed = subprocess.run(small_quickstart_cmd(model, data, run_dir, MLFLOW), cwd=REPO, capture_output=True,
-                             text=True, timeout=900)
+    resumed = run.resumed
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-6000:]
-    assert "checkpoint: resumed from" in resumed.stdout and "step_00000002" in resumed.stdout
-    got, want = step_metrics(run_dir), step_metrics(reference_run.run_dir)
+    assert f"checkpoint: resumed from {run.run_dir / 'checkpoints' / f'step_{saved:08d}'}" in resumed.stdout
+    got, want = step_metrics(run.run_dir), step_metrics(reference_run.run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
         assert _max_diff(got[step], want[step]) == 0.0, (step, got[step], want[step])
-    # actor/lr among them: the warm-up + cosine schedule (tests/runs.py) continues exactly after the resume.
+    # actor/lr among them: the warm-up + cosine schedule (tests/runs.py) continues exactly after each resume.
     assert len({got[step]["actor/lr"] for step in got}) == STEPS
-    # The MLflow run continues across the kill: one run, each step once, metrics.jsonl's values.
+    # The MLflow run continues across the SIGTERM and the kill: one run, each step once, metrics.jsonl's values.
     from mlflow.tracking import MlflowClient
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # for this process's reader (the runs set their own)
-    client = MlflowClient(tracking_uri=f"file:{run_dir}/mlruns")
-    run = client.get_run(json.loads((run_dir / "mlflow_run.json").read_text())["id"])
-    assert len(client.search_runs([run.info.experiment_id])) == 1 and run.info.status == "FINISHED"
-    history = client.get_metric_history(run.info.run_id, "actor/pg_loss")
+    client = MlflowClient(tracking_uri=f"file:{run.run_dir}/mlruns")
+    tracked = client.get_run(json.loads((run.run_dir / "mlflow_run.json").read_text())["id"])
+    assert len(client.search_runs([tracked.info.experiment_id])) == 1 and tracked.info.status == "FINISHED"
+    history = client.get_metric_history(tracked.info.run_id, "actor/pg_loss")
     assert sorted(m.step for m in history) == list(range(1, STEPS + 1))
     assert {m.step: m.value for m in history} == {step: got[step]["actor/pg_loss"] for step in got}
 

@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import time
 
 import pytest
 
 from rlcore.preemption import REQUEUE_EXIT_STATUS, Preempted, StopOnSignal
-from tests.procs import ProcessWatch
-from tests.runs import REPO, SMALL_STEPS as STEPS, small_quickstart_cmd, step_metrics
+from tests.runs import SMALL_STEPS as STEPS, step_metrics
 
 
 # ------------------------------------------------------------------------------- the handler (no Ray)
@@ -55,48 +52,26 @@ def test_no_signal_restores_the_handlers_and_step_0_is_not_saved():
 
 # --------------------------------------------------------------------------------- rlx train (e2e)
 @pytest.mark.e2e
-def test_sigterm_saves_exits_75_and_the_rerun_equals_an_uninterrupted_run(tiny_assets, reference_run, tmp_path):
-    """The small quickstart (tests/runs.py) with no periodic checkpoints, SIGTERMed twice after step 1:
-    the one checkpoint is the one the signal asks for; the rerun equals the uninterrupted run
-    (tests/conftest.py reference_run). Neither the stopped run nor the finished one leaves a process."""
-    model, data = tiny_assets
+def test_sigterm_saves_exits_75_and_the_rerun_equals_an_uninterrupted_run(interrupted_run, reference_run):
+    """The small quickstart (tests/runs.py) with no periodic checkpoints, SIGTERMed twice after step 1
+    (tests/conftest.py interrupted_run, leg 1): the one checkpoint is the one the signal asks for; the
+    rerun resumes from it and its steps equal the uninterrupted run's (reference_run) exactly. Neither
+    the stopped run nor the finished one leaves a process. (The rerun is later SIGKILLed and resumed
+    again: tests/test_checkpoint.py; every step of the three legs equals the reference run's.)"""
     assert reference_run.saw_raylet, "the watch never saw the reference run's Ray"
     assert reference_run.left == []  # a run that finished leaves no process
 
-    run_dir = tmp_path / "run"
-    log = tmp_path / "stopped.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(small_quickstart_cmd(model, data, run_dir), cwd=REPO, stdout=out,
-                                stderr=subprocess.STDOUT)
-    watch = ProcessWatch(proc.pid)
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 600
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 1):  # step 1 logged
-        assert proc.poll() is None, log.read_text()[-4000:]
-        assert time.monotonic() < deadline, "step 1 did not finish within 10 minutes"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
-    proc.send_signal(signal.SIGTERM)  # again, while it finishes the step or saves
-    assert proc.wait(timeout=600) == REQUEUE_EXIT_STATUS, log.read_text()[-4000:]
-    text = log.read_text()
-    done = max(step_metrics(run_dir))
-    assert 1 <= done < STEPS, text[-3000:]
-    assert f"stopped by SIGTERM after step {done} of {STEPS} with checkpoint" in text
-    assert "received again while stopping: ignored" in text
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{done:08d}"
+    run, done = interrupted_run, interrupted_run.stopped_after
+    assert run.stopped_code == REQUEUE_EXIT_STATUS
+    assert f"stopped by SIGTERM after step {done} of {STEPS} with checkpoint" in run.stopped_log
+    assert "received again while stopping: ignored" in run.stopped_log
     # trainer.save_every=0: nothing was saved before the signal (a finished run saves nothing at all:
     # tests/test_console.py).
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_")) == \
-        [f"step_{done:08d}"]
-    watch.stop()
-    assert watch.wait_until_none_left(30) == []  # the stopped run leaves no process
+    assert run.checkpoints_after_stop == [f"step_{done:08d}"]
+    assert run.stopped_left == []  # the stopped run leaves no process
 
-    resumed = subprocess.run(small_quickstart_cmd(model, data, run_dir), cwd=REPO, capture_output=True, text=True,
-                             timeout=900)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-6000:]
-    assert f"checkpoint: resumed from {run_dir / 'checkpoints' / f'step_{done:08d}'}" in resumed.stdout
-    got, want = step_metrics(run_dir), step_metrics(reference_run.run_dir)
+    assert f"checkpoint: resumed from {run.run_dir / 'checkpoints' / f'step_{done:08d}'}" in run.killed_log
+    got, want = step_metrics(run.run_dir), step_metrics(reference_run.run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
         assert got[step] == want[step], (step, got[step], want[step])
