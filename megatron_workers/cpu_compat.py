@@ -68,11 +68,40 @@ class _CudaAliasTypeName(str):
     __hash__ = str.__hash__
 
 
+def _identity_compile(model=None, **options):
+    """torch.compile's signature, compiling nothing: as a decorator it returns the function itself."""
+    return (lambda fn: fn) if model is None else model
+
+
+def import_megatron_without_compile() -> None:
+    """Imports megatron-core with torch.compile as the identity while its ``jit_fuser`` is bound
+    (megatron/core/jit.py: ``jit_fuser = torch.compile``, which every fusion module decorates with).
+    Decorating with the real one imports torch's dynamo and inductor: 3.1 of the 6.2 s a process
+    spends importing megatron-core on the 2-core machine. The cpu profile turns every such fusion
+    off (megatron_workers/model.py: gradient accumulation, masked softmax, bias activation, bias
+    dropout and rope fusions are gpu-only; its RMSNorm is torch's own), so none of the decorated
+    functions runs in it; they would run eagerly, with the same math, if one did. Nothing to do
+    when megatron-core is already imported."""
+    import sys
+
+    if "megatron.core.jit" in sys.modules:
+        return
+    compile_ = torch.compile
+    torch.compile = _identity_compile
+    try:
+        import megatron.core.jit  # noqa: F401  (megatron/core/__init__.py imports it first)
+    finally:
+        torch.compile = compile_
+
+
 def apply_cpu_compat() -> None:
     """Patches torch for megatron-core on a CPU-only build; idempotent, and a no-op with CUDA."""
     global _applied
     if _applied or torch.cuda.is_available():
         return
+
+    # 0. Before anything imports megatron-core: its fusions imported as plain functions (above).
+    import_megatron_without_compile()
 
     # 1. current_device() must name the CPU: megatron allocates on it in
     #    distributed/param_and_grad_buffer.py:783,800,806 (DDP buffers),

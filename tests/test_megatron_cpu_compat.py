@@ -20,6 +20,20 @@ CHECKS = textwrap.dedent("""
     apply_cpu_compat()  # idempotent
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.transformer import utils as transformer_utils
+    import sys
+
+    # megatron's fusions were decorated without torch.compile: dynamo and inductor never imported,
+    # the decorated functions plain (and still right), torch.compile itself torch's own again.
+    import megatron.core.jit
+    from megatron.core.fusions.fused_bias_swiglu import bias_swiglu
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.optimizer import get_megatron_optimizer
+    assert "torch._dynamo" not in sys.modules and "torch._inductor" not in sys.modules, "dynamo imported"
+    assert megatron.core.jit.jit_fuser(len) is len
+    y = torch.randn(3, 8)
+    a, b = torch.chunk(y + 1.0, 2, -1)
+    assert torch.equal(bias_swiglu(y, torch.ones(8)), torch.nn.functional.silu(a) * b)
+    assert torch.compile.__module__ == "torch"
 
     # megatron's literal device="cuda" allocations land on the CPU ...
     assert schedules.torch.zeros([], dtype=torch.int, device="cuda").device.type == "cpu"
