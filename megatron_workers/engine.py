@@ -124,6 +124,11 @@ class MegatronEngine:
 
     def _select_device(self) -> str:
         """Applies the device profile to this process; returns the torch.distributed backend."""
+        # megatron-core 0.16.1 calls the torch.distributed collectives torch 2.13 deprecates (the
+        # distributed optimizer's reduce-scatter and all-gather): a FutureWarning in the worker's
+        # output at the first call, about a call that is not ours.
+        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` "
+                                                  r"is deprecated", category=FutureWarning)
         if self.profile == "cpu":
             if torch.cuda.is_available():
                 raise RuntimeError("the cpu profile needs a CPU-only torch process, but CUDA is available "
