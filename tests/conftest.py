@@ -130,6 +130,7 @@ def interrupted_run(tiny_assets, tmp_path_factory):
     assert stopped_after in (1, 2), f"SIGTERMed after step 1, it stopped after step {stopped_after}, not the " \
                                     "step in flight"
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_"))
+    latest_after_stop = latest.read_text().strip()
 
     # Leg 2: resume=auto with a checkpoint every step; SIGKILL once the next one is complete.
     log2, first_save = root / "killed.log", f"step_{stopped_after + 1:08d}"
@@ -154,7 +155,8 @@ def interrupted_run(tiny_assets, tmp_path_factory):
     # Leg 3: resume=auto again, to the end.
     resumed = subprocess.run(small_quickstart_cmd(model, data, run_dir, mlflow), cwd=REPO, capture_output=True,
                              text=True, timeout=900)
-    return InterruptedRun(run_dir, stopped_code, log1.read_text(), stopped_after, checkpoints, stopped_left,
+    return InterruptedRun(run_dir, stopped_code, log1.read_text(), stopped_after, checkpoints, latest_after_stop,
+                          stopped_left,
                           killed_code, log2.read_text(), set(watch.markers),
                           any("raylet" in cmd for _, cmd in watch.seen.values()), killed_left, logged_before_kill,
                           resumed)

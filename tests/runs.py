@@ -79,6 +79,7 @@ class InterruptedRun:
     stopped_log: str
     stopped_after: int
     checkpoints_after_stop: list[str]
+    latest_after_stop: str
     stopped_left: list[tuple[int, str]]
     killed_code: int
     killed_log: str

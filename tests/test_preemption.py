@@ -68,6 +68,7 @@ def test_sigterm_saves_exits_75_and_the_rerun_equals_an_uninterrupted_run(interr
     # trainer.save_every=0: nothing was saved before the signal (a finished run saves nothing at all:
     # tests/test_console.py).
     assert run.checkpoints_after_stop == [f"step_{done:08d}"]
+    assert run.latest_after_stop == f"step_{done:08d}"
     assert run.stopped_left == []  # the stopped run leaves no process
 
     assert f"checkpoint: resumed from {run.run_dir / 'checkpoints' / f'step_{done:08d}'}" in run.killed_log
