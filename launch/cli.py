@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import gc
 import json
 import os
 import sys
@@ -198,6 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     from rlcore.worker_logs import open_run_logs
 
     open_run_logs(cfg.trainer.run_dir)  # every process's full output under run_dir/logs/, a quiet console
+    # The controller's imports (torch, transformers, Ray) outlive the run: frozen for it, the
+    # collections the run triggers walk only the objects it creates (as the roles' processes do).
+    # Unfrozen after it, for a caller in the same process (tests): its collections and its exit see
+    # every object again.
+    gc.freeze()
     try:
         history = run(cfg, layout)
     except (DataError, RewardError, CheckpointError, SamplingError, RunStopped) as e:
@@ -209,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as e:  # SIGTERM/SIGUSR1: checkpoint saved; launch/rlx.sbatch requeues on this status
         print(f"rlx train: {e}", file=sys.stderr)
         return REQUEUE_EXIT_STATUS
+    finally:
+        gc.unfreeze()
     if history:
         print("final step:", json.dumps({k: round(v, 4) for k, v in history[-1].items()}))
     return 0

@@ -83,6 +83,7 @@ class VLLMEngine:
         self._prefix_cache_stale = False
         self._requests = 0  # request ids: unique over the engine's life
         self._hold: dict | None = None  # hold_after_steps (tests)
+        gc.freeze()  # what is imported so far lives as long as the process (see the freeze before LLM)
         # Must be set before vLLM is imported: the engine core in this process, not a child.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         kwargs: dict = {}
