@@ -1,6 +1,7 @@
 """Where the actor's update spends its time: the job's real batches, then the update alone, rank by rank.
 
-    .venv/bin/python -m bench.update_breakdown yaml_configs/smollm2_math_cpu.yaml --steps 3 [key.sub=value ...]
+    .venv/bin/python -m bench.update_breakdown yaml_configs/smollm2_math_cpu.yaml --steps 3
+        [--profile] [--malloc glibc,keep,keep-trim] [key.sub=value ...]
 
 First ``--steps`` steps of the job run as in ``bench/e2e_step.py`` (Ray, Megatron, vLLM) and the
 batches the actor's update receives are kept; everything then shuts down. The actor's world is then
@@ -14,6 +15,16 @@ finite check (the grad norm), the optimizer step and the buffer zeroing. The tab
 medians over the kept batches, and its stage's model FLOPs (counted as ``bench/e2e_step.py`` counts
 them) over its forward + backward time against a one-thread matmul measured first in the same run.
 
+Each rank's CPU time in the update (user and system, from getrusage), its minor page faults and
+its resident memory once the update is done are counted too: the system time is mostly the kernel
+faulting in (and zero-filling) pages that malloc had given back. ``--malloc`` takes a comma-separated
+list of allocator modes, replayed one after the other on the same batches: ``glibc`` (its defaults,
+what the workers run; the default), ``keep`` (mmap off and a 1 GiB trim threshold, so that each
+micro-batch reuses the pages the last one freed) and ``keep-trim`` (the same, then ``malloc_trim(0)``
+after every update, the pages back to the kernel between steps; the trim counts in the update's time,
+under "other"). A row gives a hash of each stage's weights after the replay: the same in every mode.
+docs/cpu-profile.md, "Host memory", has what each costs.
+
 ``--profile`` also writes torch.profiler's op table of each rank's last update to
 ``<trainer.run_dir>-breakdown/profile_rank<r>.txt``.
 """
@@ -21,8 +32,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import ctypes
 import functools
+import hashlib
 import os
+import resource
 import socket
 import statistics
 import sys
@@ -73,15 +87,32 @@ def _timed(table: dict, key: str, fn):
     return wrapper
 
 
-def _rank(rank: int, spec, port: int, kept: list, profile_dir: str | None, queue) -> None:
+MALLOC_MODES = ("glibc", "keep", "keep-trim")
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # mallopt parameters (glibc's malloc.h)
+
+
+def _libc():
+    return ctypes.CDLL(None)
+
+
+def _set_malloc(mode: str) -> None:
+    """``--malloc``: glibc's defaults, or freed memory kept for reuse (module docstring)."""
+    if mode == "glibc":
+        return
+    libc = _libc()
+    if libc.mallopt(M_MMAP_MAX, 0) != 1 or libc.mallopt(M_TRIM_THRESHOLD, 1 << 30) != 1:
+        raise RuntimeError(f"--malloc {mode}: glibc's mallopt refused M_MMAP_MAX=0 / M_TRIM_THRESHOLD=1 GiB")
+
+
+def _rank(rank: int, spec, port: int, kept: list, profile_dir: str | None, malloc: str, queue) -> None:
     try:
-        queue.put((rank, _run_rank(rank, spec, port, kept, profile_dir)))
+        queue.put((rank, _run_rank(rank, spec, port, kept, profile_dir, malloc)))
     except BaseException as e:  # the parent must not wait forever for a rank that failed
         queue.put((rank, f"{type(e).__name__}: {e}"))
         raise
 
 
-def _run_rank(rank: int, spec, port: int, kept: list, profile_dir: str | None) -> dict:
+def _run_rank(rank: int, spec, port: int, kept: list, profile_dir: str | None, malloc: str) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -89,6 +120,8 @@ def _run_rank(rank: int, spec, port: int, kept: list, profile_dir: str | None) -
     from rlcore.batch import Batch
 
     from bench.e2e_step import matmul_rate
+
+    _set_malloc(malloc)  # before the model and its optimizer state exist
 
     engine = MegatronEngine(spec, rank)
     engine.init("127.0.0.1", port)
@@ -117,18 +150,29 @@ def _run_rank(rank: int, spec, port: int, kept: list, profile_dir: str | None) -
         if profile_dir and i == len(kept):
             profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
             profiler.__enter__()
-        t0 = time.perf_counter()
+        usage0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         engine.update(shard, loss_cfg, head_args)
-        total = time.perf_counter() - t0
+        if malloc == "keep-trim":
+            _libc().malloc_trim(0)
+        total, usage = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+        with open("/proc/self/statm") as f:  # resident pages now: what the rank holds into the next phase
+            rss_after_mb = int(f.read().split()[1]) * resource.getpagesize() / 2 ** 20
         if profiler is not None:
             profiler.__exit__(None, None, None)
             with open(os.path.join(profile_dir, f"profile_rank{rank}.txt"), "w") as f:
                 f.write(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
         if i > 0:
-            runs.append(dict(table, total=total))
+            runs.append(dict(table, total=total, user=usage.ru_utime - usage0.ru_utime,
+                             system=usage.ru_stime - usage0.ru_stime, faults=usage.ru_minflt - usage0.ru_minflt,
+                             rss_after_mb=rss_after_mb, peak_rss_mb=usage.ru_maxrss / 1024))
     dist.barrier()
-    return dict(runs=runs, pp_rank=engine.pp_rank, dp_rank=engine.dp_rank, tp_rank=engine.tp_rank,
-                layers=len(engine.model_chunks[0].decoder.layers), head=engine.is_last_stage,
+    digest = hashlib.sha256()  # the weights after every replayed update: equal across --malloc modes
+    for i, chunk in enumerate(engine.model_chunks):
+        for name, param in sorted(chunk.named_parameters()):
+            digest.update(f"{i}.{name}".encode())
+            digest.update(param.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return dict(runs=runs, weights_sha256=digest.hexdigest()[:16], pp_rank=engine.pp_rank, dp_rank=engine.dp_rank,
+                tp_rank=engine.tp_rank, layers=len(engine.model_chunks[0].decoder.layers), head=engine.is_last_stage,
                 matmul_1t=one_thread)
 
 
@@ -147,15 +191,55 @@ def stage_flops(hf, batch: dict, shared_prompt: bool, layers: int, head: bool, d
     return total
 
 
+def _print_table(results: dict, kept: list, hf, shared_prompt: bool, dp: int) -> None:
+    ranks = sorted(results)
+    print("| | " + " | ".join(f"rank {r} (pp {results[r]['pp_rank']}, dp {results[r]['dp_rank']}: "
+                              f"{results[r]['layers']} layers{' + head' if results[r]['head'] else ''})"
+                              for r in ranks) + " |")
+    print("|---|" + "---:|" * len(ranks))
+    for key, label in PIECES + (("other", "other (micro-batch set-up, loss hooks, outputs)"), ("total", "**update**"),
+                                ("user", "CPU time in the update: user"), ("system", "CPU time in the update: system"),
+                                ("faults", "minor page faults in the update"),
+                                ("rss_after_mb", "RSS of the rank after the update, MB"),
+                                ("peak_rss_mb", "peak RSS of the rank, MB")):
+        cells = []
+        for r in ranks:
+            runs = results[r]["runs"]
+            if key == "other":
+                values = [x["total"] - sum(x.get(k, 0.0) for k, _ in PIECES) for x in runs]
+            else:
+                values = [x.get(key, 0.0) for x in runs]
+            whole = key in ("faults", "rss_after_mb", "peak_rss_mb")
+            cells.append(f"{statistics.median(values):.0f}" if whole else f"{statistics.median(values):.2f}")
+        print(f"| {label} | " + " | ".join(cells) + " |")
+    cells = []
+    for r in ranks:
+        res = results[r]
+        flops = [stage_flops(hf, batch, shared_prompt, res["layers"], res["head"], dp, res["dp_rank"])
+                 for batch, _, _ in kept]
+        rate = sum(flops) / sum(x["fwd"] + x["bwd"] for x in res["runs"])
+        cells.append(f"{rate / 1e9:.0f} GFLOP/s = {rate / res['matmul_1t']:.2f} x {res['matmul_1t'] / 1e9:.0f}")
+    print("| stage FLOPs / (forward + backward) against a one-thread matmul | " + " | ".join(cells) + " |")
+    print("| the stage's weights after the replayed updates (sha256) | "
+          + " | ".join(f"`{results[r]['weights_sha256']}`" for r in ranks) + " |")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("spec", help="job spec YAML")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     p.add_argument("--steps", type=int, default=3, help="job steps whose batches the updates replay (default 3)")
     p.add_argument("--profile", action="store_true", help="torch.profiler op tables of the last update")
+    p.add_argument("--malloc", default="glibc",
+                   help="comma-separated allocator modes to replay under, one after the other: glibc (the defaults "
+                        "the workers run), keep, keep-trim (module docstring); default glibc")
     a = p.parse_args(argv)
     if a.steps < 1:
         p.error(f"--steps={a.steps} must be >= 1")
+    modes = a.malloc.split(",")
+    unknown = [m for m in modes if m not in MALLOC_MODES]
+    if unknown:
+        p.error(f"--malloc: unknown mode(s) {unknown}; expected a comma-separated list of {', '.join(MALLOC_MODES)}")
     if not os.path.isfile(a.spec):
         p.error(f"job spec {a.spec!r} not found")
 
@@ -178,52 +262,32 @@ def main(argv: list[str] | None = None) -> int:
                      max_tokens_per_micro_batch=act.max_tokens_per_micro_batch)
     profile_dir = run_dir if a.profile else None
     os.makedirs(run_dir, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, spec, port, kept, profile_dir, queue)) for r in range(spec.world_size)]
-    for proc in procs:
-        proc.start()
-    results = dict(queue.get() for _ in procs)
-    for proc in procs:
-        proc.join()
-    failed = {r: v for r, v in results.items() if isinstance(v, str)}
-    if failed:
-        print(f"ranks failed: {failed}", file=sys.stderr)
-        return 1
-
     hf = read_hf_config(cfg.model.path, cfg.model.hf_config)
     lay = layout.actor
-    print(f"`{a.spec}`{' ' + ' '.join(a.overrides) if a.overrides else ''}: actor TP{lay.tp} PP{lay.pp} DP{lay.dp}"
-          f"{' pp_layers ' + str(list(lay.pp_layers)) if lay.pp_layers else ''}, micro-batch {act.micro_batch_size}, "
-          f"{spec.threads} thread(s) per rank; the updates of {len(kept)} job steps replayed (medians, s); "
-          f"load average (1 min) at the end: {os.getloadavg()[0]:.1f}")
-    print()
-    ranks = sorted(results)
-    print("| | " + " | ".join(f"rank {r} (pp {results[r]['pp_rank']}, dp {results[r]['dp_rank']}: "
-                              f"{results[r]['layers']} layers{' + head' if results[r]['head'] else ''})"
-                              for r in ranks) + " |")
-    print("|---|" + "---:|" * len(ranks))
-    for key, label in PIECES + (("other", "other (micro-batch set-up, loss hooks, outputs)"), ("total", "**update**")):
-        cells = []
-        for r in ranks:
-            runs = results[r]["runs"]
-            if key == "other":
-                values = [x["total"] - sum(x.get(k, 0.0) for k, _ in PIECES) for x in runs]
-            else:
-                values = [x.get(key, 0.0) for x in runs]
-            cells.append(f"{statistics.median(values):.2f}")
-        print(f"| {label} | " + " | ".join(cells) + " |")
-    cells = []
-    for r in ranks:
-        res = results[r]
-        flops = [stage_flops(hf, batch, act.shared_prompt, res["layers"], res["head"], lay.dp, res["dp_rank"])
-                 for batch, _, _ in kept]
-        rate = sum(flops) / sum(x["fwd"] + x["bwd"] for x in res["runs"])
-        cells.append(f"{rate / 1e9:.0f} GFLOP/s = {rate / res['matmul_1t']:.2f} x {res['matmul_1t'] / 1e9:.0f}")
-    print("| stage FLOPs / (forward + backward) against a one-thread matmul | " + " | ".join(cells) + " |")
+    for mode in modes:  # the same kept batches, one fresh world per allocator mode, back to back
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        procs = [ctx.Process(target=_rank, args=(r, spec, port, kept, profile_dir, mode, queue))
+                 for r in range(spec.world_size)]
+        for proc in procs:
+            proc.start()
+        results = dict(queue.get() for _ in procs)
+        for proc in procs:
+            proc.join()
+        failed = {r: v for r, v in results.items() if isinstance(v, str)}
+        if failed:
+            print(f"ranks failed: {failed}", file=sys.stderr)
+            return 1
+        print(f"`{a.spec}`{' ' + ' '.join(a.overrides) if a.overrides else ''}: actor TP{lay.tp} PP{lay.pp} DP{lay.dp}"
+              f"{' pp_layers ' + str(list(lay.pp_layers)) if lay.pp_layers else ''}, micro-batch {act.micro_batch_size}, "
+              f"{spec.threads} thread(s) per rank, malloc: {mode}; the updates of {len(kept)} job steps replayed "
+              f"(medians, s); load average (1 min) at the end: {os.getloadavg()[0]:.1f}")
+        print()
+        _print_table(results, kept, hf, act.shared_prompt, lay.dp)
+        print()
     if profile_dir:
         print(f"\n(op tables: {profile_dir}/profile_rank<r>.txt)")
     return 0
