@@ -135,3 +135,13 @@ def test_gpu_shared_prompt_bench_needs_a_gpu(capsys):
 
     assert main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_update_breakdown_refuses_an_unknown_malloc_mode_before_it_starts(capsys):
+    from bench.update_breakdown import main
+
+    with pytest.raises(SystemExit):
+        main(["yaml_configs/smollm2_math_cpu.yaml", "--malloc", "glibc,kep"])
+    err = capsys.readouterr().err
+    assert "--malloc: unknown mode(s) ['kep']" in err and "glibc, keep, keep-trim" in err
+
