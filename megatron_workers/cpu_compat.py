@@ -171,4 +171,49 @@ def apply_cpu_compat() -> None:
             torch.Tensor.cuda = tensor_cuda
 
     LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_on_cpu
+
+    # 7. Not a necessity but a saving: megatron's gradient accumulation fusion (the config's
+    #    gradient_accumulation_fusion, model.py) adds each linear layer's weight gradient straight into
+    #    its DDP main_grad (tensor_parallel/layers.py:569) instead of materialising the whole gradient
+    #    and adding it in the DDP hook (distributed_data_parallel.py:437). The kernel comes from apex's
+    #    CUDA extension (layers.py:46); CpuWgradAccumulation is the same sum, in cache-sized slabs.
+    from megatron.core.tensor_parallel import layers
+
+    if not hasattr(layers, "_grad_accum_fusion_available"):
+        raise RuntimeError("megatron.core.tensor_parallel.layers has no _grad_accum_fusion_available: the "
+                           "cpu compat layer targets megatron-core 0.16.1")
+    layers.fused_weight_gradient_mlp_cuda = CpuWgradAccumulation
+    layers._grad_accum_fusion_available = True
     _applied = True
+
+
+class CpuWgradAccumulation:
+    """apex's ``fused_weight_gradient_mlp_cuda`` interface on the CPU: ``main_grad += grad_output^T @
+    input`` for 2-D ``[tokens, in]`` / ``[tokens, out]`` operands.
+
+    One ``addmm_`` (BLAS beta = 1) would add the product into ``main_grad`` block by block along the
+    tokens, a different rounding from the unfused path's ``main_grad.add_(grad_output.t() @ input)``
+    once a micro-batch holds more tokens than one of the GEMM's blocks (~190 on the development
+    machine). So the product is formed a slab of output rows at a time (every element summed over all
+    tokens by the same GEMM) and each slab added once: equal to the unfused path to the bit
+    (tests/test_megatron_cpu_compat.py), with a slab (~1 MB, cache-resident) in place of the whole
+    weight gradient (113 MB for SmolLM2's tied head, fresh pages from the kernel on every micro-batch).
+    """
+
+    SLAB_ELEMENTS = 1 << 18  # floats per slab: 1 MiB in fp32
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor,
+                              main_grad: torch.Tensor) -> None:
+        rows = max(1, CpuWgradAccumulation.SLAB_ELEMENTS // max(1, main_grad.shape[1]))
+        grad_output_t = grad_output.t()
+        for start in range(0, main_grad.shape[0], rows):
+            main_grad[start:start + rows].add_(grad_output_t[start:start + rows].matmul(total_input))
+
+    @staticmethod
+    def wgrad_gemm_accum_fp16(total_input: torch.Tensor, grad_output: torch.Tensor,
+                              main_grad: torch.Tensor) -> None:
+        # The cpu profile keeps fp32 main gradients (grad_reduce_in_fp32); a half-precision one means
+        # a config this layer was not written for.
+        raise RuntimeError(f"gradient accumulation fusion on the cpu profile takes fp32 main gradients, "
+                           f"got {main_grad.dtype}")

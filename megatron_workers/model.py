@@ -1,7 +1,8 @@
 """A megatron-core GPTModel built from a HuggingFace config.json (Qwen2 and Llama families).
 
 The device profile is the only switch between the two ways the same model runs:
-- ``cpu``: gloo, megatron-core's local layer spec (torch RMSNorm, unfused attention), fp32, no fusions;
+- ``cpu``: gloo, megatron-core's local layer spec (torch RMSNorm, unfused attention), fp32, no fusions
+  but megatron's weight-gradient accumulation into DDP's main_grad (its kernel from cpu_compat.py);
 - ``gpu``: NCCL, the TransformerEngine layer spec, bf16 or fp32, sequence parallel when TP > 1, fusions.
 TransformerEngine is imported only on the gpu profile. The HF config is read, and the layout checked,
 by rlcore (rlcore/hf_config.py, rlcore/layout.py): the same code `rlx validate` runs.
@@ -97,7 +98,9 @@ def transformer_config(hf: HFModelSpec, profile: str, dtype: str, tp: int, pp: i
         bf16=torch_dtype == torch.bfloat16,
         attention_softmax_in_fp32=True,
         use_cpu_initialization=not gpu,
-        gradient_accumulation_fusion=gpu,  # TE's fused wgrad accumulation into main_grad
+        # Weight gradients accumulated into DDP's main_grad by the GEMM itself: TE's on gpu, the cpu
+        # compat layer's addmm_ on cpu (cpu_compat.py, step 7).
+        gradient_accumulation_fusion=True,
         masked_softmax_fusion=gpu,
         bias_activation_fusion=gpu,
         bias_dropout_fusion=gpu,

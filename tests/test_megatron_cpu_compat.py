@@ -59,6 +59,25 @@ CHECKS = textwrap.dedent("""
         raise SystemExit("Tensor.cuda() must still fail on a CPU build")
     except (AssertionError, RuntimeError):
         pass
+    # Gradient accumulation fusion: megatron's linear layers take the CPU stand-in for apex's kernel,
+    # whose accumulation equals the unfused gradient-then-add to the bit, also past one GEMM block of
+    # tokens (~190 here) and across slabs (49152 rows: SmolLM2's tied head).
+    from megatron.core.tensor_parallel import layers
+    from megatron_workers.cpu_compat import CpuWgradAccumulation
+    assert layers._grad_accum_fusion_available and layers.fused_weight_gradient_mlp_cuda is CpuWgradAccumulation
+    g = torch.Generator().manual_seed(0)
+    for tokens, out_features, in_features in ((37, 40, 24), (300, 1536, 576), (1000, 49152, 64)):
+        inp = torch.randn(tokens, in_features, generator=g)
+        out = torch.randn(tokens, out_features, generator=g)
+        main_grad = torch.randn(out_features, in_features, generator=g)
+        expected = main_grad + out.t().matmul(inp)
+        CpuWgradAccumulation.wgrad_gemm_accum_fp32(inp, out, main_grad)
+        assert torch.equal(main_grad, expected), (tokens, (main_grad - expected).abs().max())
+    try:
+        CpuWgradAccumulation.wgrad_gemm_accum_fp16(inp, out, main_grad.bfloat16())
+        raise SystemExit("a bf16 main gradient must be refused on the cpu profile")
+    except RuntimeError as e:
+        assert "fp32 main gradients" in str(e)
     print("ok")
 """)
 
@@ -68,4 +87,52 @@ def test_cpu_compat_is_targeted():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
                OMP_NUM_THREADS="1")
     result = subprocess.run([sys.executable, "-c", CHECKS], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+# megatron's own branch for gradient accumulation fusion (tensor_parallel/layers.py) with the cpu
+# kernel: the weight's gradient lands in main_grad, on top of what was there, and autograd's own
+# .grad is the dummy megatron hands back (DDP's hook then skips its add).
+FUSED_WGRAD = textwrap.dedent("""
+    import os
+    import torch
+    import torch.distributed as dist
+    from megatron_workers.cpu_compat import apply_cpu_compat
+
+    apply_cpu_compat()
+    from megatron.core import parallel_state
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    config = ModelParallelConfig(gradient_accumulation_fusion=True, use_cpu_initialization=True)
+    layer = ColumnParallelLinear(24, 40, config=config, init_method=torch.nn.init.normal_, bias=False)
+    weight = layer.weight
+    start = torch.randn(40, 24)
+    weight.main_grad, weight.grad_added_to_main_grad = start.clone(), False
+    x = torch.randn(300, 1, 24, requires_grad=True)
+    out, _ = layer(x)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    expected = start + grad_out.reshape(300, 40).t().matmul(x.detach().reshape(300, 24))
+    assert weight.grad_added_to_main_grad, "megatron did not take its fused wgrad branch"
+    assert torch.equal(weight.main_grad, expected), (weight.main_grad - expected).abs().max()
+    assert torch.allclose(x.grad, grad_out.matmul(weight.detach()))
+    print("ok")
+""")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the layer is a no-op where CUDA is available")
+def test_megatron_accumulates_weight_gradients_into_main_grad_on_cpu():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
+               OMP_NUM_THREADS="1", PORT=str(port))
+    result = subprocess.run([sys.executable, "-c", FUSED_WGRAD], env=env, capture_output=True, text=True,
+                            timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
