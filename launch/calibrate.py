@@ -50,6 +50,7 @@ def _rank(rank: int, port: int, model_dirs: list[str], tokens: int, hidden: int,
     apply_cpu_compat()
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from megatron_workers.model import build_gpt_model, read_hf_config, transformer_config
 
@@ -91,7 +92,11 @@ def _rank(rank: int, port: int, model_dirs: list[str], tokens: int, hidden: int,
     def per_microbatch(path: str, forward_only: bool) -> float:
         """Seconds one more micro-batch adds to megatron's schedule on the model at ``path``."""
         hf = read_hf_config(path)
-        model = build_gpt_model(hf, transformer_config(hf, "cpu", "float32", 1, 2), "cpu")
+        config = transformer_config(hf, "cpu", "float32", 1, 2)
+        # Wrapped in megatron's DDP as the workers' trained models are: its gradient buffer is where
+        # the linear layers accumulate their weight gradients (the config's gradient_accumulation_fusion).
+        model = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+                                        build_gpt_model(hf, config, "cpu"))
 
         def step(microbatches: int):
             def forward_step(_, m):
