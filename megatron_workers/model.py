@@ -99,7 +99,7 @@ def transformer_config(hf: HFModelSpec, profile: str, dtype: str, tp: int, pp: i
         attention_softmax_in_fp32=True,
         use_cpu_initialization=not gpu,
         # Weight gradients accumulated into DDP's main_grad by the GEMM itself: TE's on gpu, the cpu
-        # compat layer's addmm_ on cpu (cpu_compat.py, step 7).
+        # compat layer's GEMM in slabs on cpu (cpu_compat.py, step 7).
         gradient_accumulation_fusion=True,
         masked_softmax_fusion=gpu,
         bias_activation_fusion=gpu,
