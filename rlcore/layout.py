@@ -106,6 +106,12 @@ def _check_pp_layers(model: HFModelSpec, pp: int, vpp: int, layers: list[int], k
         raise ConfigError(f"{shown}: the middle stages (all but the first and the last) must hold the same number "
                           "of layers (megatron-core sets the first and the last stage's count and splits the rest "
                           "evenly)")
+    if vpp > 1 and pp == 2 and len(set(layers)) > 1:
+        # get_transformer_layer_offset (transformer/transformer_layer.py:135-137) divides by the number
+        # of middle stages, which PP2 has none of: ZeroDivisionError on the last stage at start-up.
+        raise ConfigError(f"{shown} with {key('vpp', vpp)}: megatron-core 0.16.1 cannot place an uneven split of "
+                          f"2 PP stages into virtual stages (it divides by the middle stages' count, 0 here); "
+                          f"use an even split (pp_layers null), vpp=1, or pp >= 3")
     if vpp > 1 and any(n % vpp for n in layers):
         raise ConfigError(f"{shown}: with {key('vpp', vpp)} every stage's layers must split into {vpp} equal model "
                           "chunks (each count a multiple of vpp)")

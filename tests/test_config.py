@@ -708,8 +708,11 @@ def test_pp_layers_resolve_for_every_role_and_the_reference_inherits_the_actors(
     # Three stages: any first and last count, the middle ones equal; interleaved, multiples of vpp.
     assert validate(job(files, eight_layers(files), "resources.pools={actor: 3, rollout: 1}", "actor.pp=3",
                         "actor.pp_layers=[1,3,4]", "actor.micro_batch_size=8")).actor.pp_layers == (1, 3, 4)
+    assert validate(job(files, eight_layers(files), "resources.pools={actor: 3, rollout: 1}", "actor.pp=3",
+                        "actor.vpp=2", "actor.pp_layers=[2,2,4]", "data.batch_size=6",
+                        "actor.micro_batch_size=8")).actor.pp_layers == (2, 2, 4)
     assert validate(job(files, eight_layers(files), "actor.pp=2", "actor.vpp=2",
-                        "actor.pp_layers=[2,6]")).actor.pp_layers == (2, 6)
+                        "actor.pp_layers=[4,4]")).actor.pp_layers == (4, 4)  # even: megatron's own split
 
 
 @pytest.mark.parametrize("overrides, parts", [
@@ -717,10 +720,12 @@ def test_pp_layers_resolve_for_every_role_and_the_reference_inherits_the_actors(
     (["actor.pp=2", "actor.pp_layers=[5,4]"],
      ["actor.pp_layers=[5, 4] sums to 9 layers, but the model has 8", "num_hidden_layers"]),
     (["actor.pp=2", "actor.pp_layers=[8,0]"], ["actor.pp_layers=[8, 0]: every PP stage needs at least 1 layer"]),
+    (["actor.pp=2", "actor.vpp=2", "actor.pp_layers=[2,6]"],
+     ["actor.pp_layers=[2, 6] with actor.vpp=2", "uneven split of 2 PP stages", "pp >= 3"]),
     (["resources.pools={actor: 4, rollout: 1}", "actor.pp=4", "actor.pp_layers=[1,2,3,2]"],
      ["actor.pp_layers=[1, 2, 3, 2]: the middle stages", "must hold the same number of layers"]),
-    (["actor.pp=2", "actor.vpp=2", "actor.pp_layers=[3,5]"],
-     ["actor.pp_layers=[3, 5]: with actor.vpp=2 every stage's layers must split into 2 equal model chunks"]),
+    (["resources.pools={actor: 3, rollout: 1}", "actor.pp=3", "actor.vpp=2", "actor.pp_layers=[3,2,3]"],
+     ["actor.pp_layers=[3, 2, 3]: with actor.vpp=2 every stage's layers must split into 2 equal model chunks"]),
     (["actor.pp=2", "actor.pp_layers=[5,3]", "reference.pp=2", "reference.pp_layers=[4]"],
      ["reference.pp_layers=[4] has 1 entries but reference.pp=2"]),
     (["algorithm.adv_estimator=gae", CRITIC_POOLS, "critic.pp=2", "critic.pp_layers=[1,1]"],
