@@ -220,9 +220,9 @@ class MegatronEngine:
             attach_input_hooks(chunk, self.active_inputs)
         # Micro-batches are cut to their own longest row (and packed rows differ in length), so
         # pipeline stages exchange each activation's shape before it (megatron's variable-length
-        # p2p). The interleaved schedule keeps the batch's one shape.
-        self.variable_shapes = self.vpp == 1
-        if self.pp > 1 and self.variable_shapes:
+        # p2p). The interleaved schedule too: its p2p runs one direction per call (overlap_p2p_comm,
+        # model.py), so each shape exchange pairs sends and receives of one kind even at PP=2.
+        if self.pp > 1:
             self.config.variable_seq_lengths = True
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -308,8 +308,7 @@ class MegatronEngine:
             index = torch.tensor(rows, device=self.device)
             micro_batch = Batch({k: v.index_select(0, index) for k, v in on_device.items()})
             multiple = self.tp if self.config.sequence_parallel else 1
-            if self.variable_shapes:
-                micro_batch = trimmed(micro_batch, multiple)
+            micro_batch = trimmed(micro_batch, multiple)
             inputs = model_inputs(micro_batch, self.spec.shared_prompt, multiple)
             seq_len = inputs.tokens.shape[1]
             if self.config.sequence_parallel and seq_len % self.tp:

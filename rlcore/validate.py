@@ -412,14 +412,15 @@ def _micro_batch_shape(cfg: JobConfig, role: str) -> tuple[bool, Optional[int]]:
 
 
 def _check_micro_batch_shapes(cfg: JobConfig, role: str, layout: RoleLayout) -> None:
-    shared, budget = _micro_batch_shape(cfg, role)
+    _, budget = _micro_batch_shape(cfg, role)
     if budget is not None and budget < 1:
         raise ConfigError(f"{role}.max_tokens_per_micro_batch={budget} must be positive (or null: micro-batches "
                           f"of {role}.micro_batch_size rows)")
-    if layout.vpp > 1 and (shared or budget):
-        key = f"{role}.shared_prompt" if shared else f"{role}.max_tokens_per_micro_batch"
-        raise ConfigError(f"{key} with {role}.vpp={layout.vpp}: the interleaved pipeline schedule needs every "
-                          "micro-batch in the same shape; use vpp=1 or turn it off")
+    if layout.vpp > 1 and budget:
+        raise ConfigError(f"{role}.max_tokens_per_micro_batch with {role}.vpp={layout.vpp}: the interleaved "
+                          f"pipeline schedule needs each DP rank's micro-batches to be a multiple of {role}.pp, and "
+                          f"a token budget makes as many as each batch's lengths need; use vpp=1, or micro-batches "
+                          f"of {role}.micro_batch_size rows")
 
 
 def _check_partial_rollouts(cfg: JobConfig) -> None:

@@ -665,16 +665,20 @@ def test_vpp_errors_name_the_key_and_the_rule(files, overrides, parts):
 @pytest.mark.parametrize("overrides, parts", [
     (["actor.max_tokens_per_micro_batch=0"], ["actor.max_tokens_per_micro_batch=0 must be positive"]),
     (["reference.max_tokens_per_micro_batch=-5"], ["reference.max_tokens_per_micro_batch=-5 must be positive"]),
-    (["actor.pp=2", "actor.vpp=2", "actor.shared_prompt=true"],
-     ["actor.shared_prompt with actor.vpp=2", "same shape"]),
     (["actor.pp=2", "actor.vpp=2", "actor.max_tokens_per_micro_batch=512"],
-     ["actor.max_tokens_per_micro_batch with actor.vpp=2"]),
+     ["actor.max_tokens_per_micro_batch with actor.vpp=2", "a multiple of actor.pp"]),
     # The reference inherits the actor's shape (and vpp), unless it sets its own.
-    (["actor.pp=2", "actor.vpp=2", "reference.vpp=2", "reference.shared_prompt=true"],
-     ["reference.shared_prompt with reference.vpp=2"]),
+    (["actor.pp=2", "actor.vpp=2", "reference.vpp=2", "reference.max_tokens_per_micro_batch=512"],
+     ["reference.max_tokens_per_micro_batch with reference.vpp=2"]),
 ])
 def test_micro_batch_shape_errors_name_the_key(files, overrides, parts):
     assert_in(validate_error(files, eight_layers(files), *overrides), *parts)
+
+
+def test_shared_prompt_rows_validate_under_an_interleaved_pipeline(files):
+    # Each packed row at its own length through the interleaved schedule (tests/test_packing.py runs it).
+    layout = validate(job(files, eight_layers(files), "actor.pp=2", "actor.vpp=2", "actor.shared_prompt=true"))
+    assert (layout.actor.pp, layout.actor.vpp) == (2, 2)
 
 
 def test_token_budget_needs_only_an_even_dp_split(files):

@@ -140,12 +140,12 @@ def model_path(tmp_path_factory):
 
 
 def run_update(model_path, placement, batch, pp=1, shared_prompt=False, on_policy=False, micro_batch_size=4,
-               max_tokens=None, refusal=None):
+               max_tokens=None, refusal=None, vpp=1):
     """(log-probs before, metrics, kept outputs, HF weights after) of one update. ``refusal``: a dict
     that gets the exception (or None) of an update asked for first without old log-probs and without
     ``on_policy`` (refused before anything reaches the workers)."""
     group = MegatronGroup(RoleSpec("actor", model_path, tp=1, pp=pp, dp=1, micro_batch_size=micro_batch_size,
-                                   profile="cpu", dtype="float32", seed=0, optim=OPTIM,
+                                   profile="cpu", dtype="float32", seed=0, optim=OPTIM, vpp=vpp,
                                    shared_prompt=shared_prompt, max_tokens_per_micro_batch=max_tokens), placement)
     try:
         if refusal is not None:
@@ -202,11 +202,14 @@ def test_response_only_logprobs_equal_transformers_and_prompt_positions_hold_zer
     assert torch.all(before[~mask] == 0)
 
 
-@pytest.mark.parametrize("pp,micro_batch_size", [(1, 4), (1, 8), (2, 2)])
-def test_shared_prompt_rows_give_the_same_update(model_path, placement, reference_run, pp, micro_batch_size):
-    """One group per micro-batch, two, and half a group (PP2: variable-length packed rows between stages)."""
+@pytest.mark.parametrize("pp,vpp,micro_batch_size", [(1, 1, 4), (1, 1, 8), (2, 1, 2), (2, 2, 4)])
+def test_shared_prompt_rows_give_the_same_update(model_path, placement, reference_run, pp, vpp, micro_batch_size):
+    """One group per micro-batch, two, and half a group (PP2: variable-length packed rows between
+    stages); and one group per micro-batch through the interleaved schedule (PP2 VPP2: each packed
+    row at its own length too)."""
     batch, expected = reference_run
-    got = run_update(model_path, placement, batch, pp=pp, shared_prompt=True, micro_batch_size=micro_batch_size)
+    got = run_update(model_path, placement, batch, pp=pp, vpp=vpp, shared_prompt=True,
+                     micro_batch_size=micro_batch_size)
     assert_same_update(got, expected)
 
 
