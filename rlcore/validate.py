@@ -299,7 +299,7 @@ def _check_mini_batch(role: str, mini_batch_size: Optional[int], batch_size: int
 
 def _check_batch_split(cfg: JobConfig, role: str, layout: RoleLayout, prompts_key: str, prompts: int,
                        micro_batch_key: str, micro_batch_size: int, vpp_key: str) -> None:
-    budget = _micro_batch_shape(cfg, role)[1]
+    budget = _micro_batch_budget(cfg, role)
     if budget:  # micro-batches by tokens: only the DP split must be even
         if prompts * cfg.rollout.n % layout.dp:
             raise ConfigError(f"{prompts_key}*rollout.n={prompts}*{cfg.rollout.n} sequences do not split evenly "
@@ -402,17 +402,16 @@ def _check_ranges(cfg: JobConfig) -> None:
                           "must be in (0, 1]")
 
 
-def _micro_batch_shape(cfg: JobConfig, role: str) -> tuple[bool, Optional[int]]:
-    """The role's (shared_prompt, max_tokens_per_micro_batch), the reference's defaulting to the actor's."""
+def _micro_batch_budget(cfg: JobConfig, role: str) -> Optional[int]:
+    """The role's max_tokens_per_micro_batch, the reference's defaulting to the actor's."""
     r, a = getattr(cfg, role), cfg.actor
     if role == "reference":
-        return (_default(r.shared_prompt, a.shared_prompt),
-                _default(r.max_tokens_per_micro_batch, a.max_tokens_per_micro_batch))
-    return r.shared_prompt, r.max_tokens_per_micro_batch
+        return _default(r.max_tokens_per_micro_batch, a.max_tokens_per_micro_batch)
+    return r.max_tokens_per_micro_batch
 
 
 def _check_micro_batch_shapes(cfg: JobConfig, role: str, layout: RoleLayout) -> None:
-    _, budget = _micro_batch_shape(cfg, role)
+    budget = _micro_batch_budget(cfg, role)
     if budget is not None and budget < 1:
         raise ConfigError(f"{role}.max_tokens_per_micro_batch={budget} must be positive (or null: micro-batches "
                           f"of {role}.micro_batch_size rows)")

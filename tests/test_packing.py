@@ -3,7 +3,7 @@
 - The packing itself (megatron_workers/packing.py), without a model: every scored output is the one
   the unpacked row would read (the same previous token, at the same rotary position), and a packed
   response sees exactly the prompt and its own earlier tokens.
-- Through megatron-core (one actor group, TP1PP1 and PP2): shared-prompt rows give the same
+- Through megatron-core (one actor group, TP1PP1, PP2 and PP2 VPP2): shared-prompt rows give the same
   log-probs, loss, metrics and updated weights as the unpacked rows (1e-6 in fp32 on the loss and the
   gradient's norm, 1e-5 on log-probs and weights); prompt positions hold 0.
 - The on-policy update (``on_policy=True``, no ``old_logprobs``) equals the update after a separate
