@@ -30,6 +30,23 @@ def math_threads(cores: int, processes: int) -> int:
 LOG_ENV = {"VLLM_LOGGING_LEVEL": "WARNING"}
 
 
+def keep_stop_handlers_through_shutdown() -> None:
+    """This process's Ray (the driver's, not the workers') without abseil's failure-signal handler.
+    Ray 2.60 installs it over SIGTERM at ``ray.init`` and, early in ``ray.shutdown()``, sets SIGTERM
+    back to the default in C, behind Python's handler: a preempted run's second SIGTERM during the
+    ~1.5 s shutdown (Slurm may signal again) then killed ``rlx train`` with -15 after its checkpoint
+    instead of letting it exit 75, and launch/rlx.sbatch did not requeue the job. The handler only
+    prints a native stack when the driver itself crashes; Python's own tracebacks are unaffected.
+    Ray reads the switch (its ``RAY_DISABLE_FAILURE_SIGNAL_HANDLER``) when it builds this process's
+    core worker; the workers read their own environment and keep theirs."""
+    from ray._private import ray_constants
+
+    if not hasattr(ray_constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER"):
+        raise RuntimeError("ray._private.ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER is gone: this code "
+                           "targets Ray 2.60, which setup.py pins")
+    ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
+
+
 def start_ray(device: str, total_gpus: int, address: str | None = None, num_cpus: int | None = None) -> None:
     """Connects to ``address`` (a Slurm-started cluster) or starts a local Ray; on the cpu profile
     the local cluster gets ``total_gpus`` logical GPUs."""
@@ -37,6 +54,7 @@ def start_ray(device: str, total_gpus: int, address: str | None = None, num_cpus
 
     if ray.is_initialized():
         return
+    keep_stop_handlers_through_shutdown()
     # Ray actors must import this repository's packages wherever they run.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: os.environ.get(k, v) for k, v in worker_logs.log_env(LOG_ENV).items()}

@@ -51,6 +51,38 @@ def test_no_signal_restores_the_handlers_and_step_0_is_not_saved():
 
 
 # --------------------------------------------------------------------------------- rlx train (e2e)
+SURVIVES_RAY_SHUTDOWN = """
+import os, signal, sys
+from rlcore.placement import start_ray
+from rlcore.preemption import StopOnSignal
+import ray
+
+said = []
+start_ray("cpu", 1, num_cpus=1)
+stop = StopOnSignal(say=said.append).install()  # after ray.init, as Trainer.fit does
+os.kill(os.getpid(), signal.SIGTERM)  # the stop
+ray.shutdown()  # the run's teardown
+os.kill(os.getpid(), signal.SIGTERM)  # Slurm signals again while it exits
+print(said)
+sys.exit(75 if stop.signum == signal.SIGTERM and "received again" in said[-1] else 1)
+"""
+
+
+def test_a_second_sigterm_after_rays_shutdown_is_still_ignored():
+    """Ray 2.60's driver sets SIGTERM back to the default in C early in ray.shutdown(), under Python's
+    handler, unless its failure-signal handler is off (rlcore/placement.py
+    keep_stop_handlers_through_shutdown): a repeated SIGTERM while a preempted run shut down killed it
+    with -15 instead of status 75. In a process of its own: it starts and stops Ray."""
+    import subprocess
+    import sys
+
+    from tests.runs import REPO
+
+    done = subprocess.run([sys.executable, "-c", SURVIVES_RAY_SHUTDOWN], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == REQUEUE_EXIT_STATUS, (done.returncode, done.stdout[-2000:], done.stderr[-4000:])
+
+
 @pytest.mark.e2e
 def test_sigterm_saves_exits_75_and_the_rerun_equals_an_uninterrupted_run(interrupted_run, reference_run):
     """The small quickstart (tests/runs.py) with no periodic checkpoints, SIGTERMed twice after step 1
