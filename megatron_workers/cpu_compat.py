@@ -4,7 +4,9 @@ megatron-core assumes CUDA in a handful of places that a CPU run reaches. ``appl
 patches exactly those, as plain wrappers of torch functions (a TorchFunctionMode would not do: modes
 are thread-local and inactive inside ``autograd.Function.backward``, where megatron also allocates).
 The device="cuda" factories are replaced only inside the megatron modules that call them.
-Every patch was shown necessary by turning it off (docs/cpu-profile.md); the sites
+Every patch of steps 1-6 was shown necessary by turning it off (docs/cpu-profile.md); steps 7-9 are
+savings: the CPU's stand-ins for what apex's kernels do on GPU (weight gradients added straight into
+DDP's buffer, gradients scaled in place), each equal to megatron's unfused path to the bit. The sites
 are line numbers of megatron-core 0.16.1, which setup.py pins.
 
 It is a no-op when CUDA is available: the gpu profile runs megatron-core unpatched.
@@ -184,7 +186,88 @@ def apply_cpu_compat() -> None:
                            "cpu compat layer targets megatron-core 0.16.1")
     layers.fused_weight_gradient_mlp_cuda = CpuWgradAccumulation
     layers._grad_accum_fusion_available = True
+
+    # 8. The same for the word embedding: its backward (F.embedding, tensor_parallel/layers.py:287)
+    #    makes a dense [vocab / TP, hidden] gradient (113 MB for SmolLM2, fresh pages every
+    #    micro-batch) that the DDP hook then adds whole into main_grad, though only the rows of the
+    #    micro-batch's tokens are non-zero. EmbeddingIntoMainGrad adds those rows into main_grad.
+    if getattr(layers, "F", None) is not torch.nn.functional:
+        raise RuntimeError("megatron.core.tensor_parallel.layers.F is not torch.nn.functional: the cpu compat "
+                           "layer targets megatron-core 0.16.1")
+    layers.F = _FunctionalWithFusedEmbedding()
+
+    # 9. Gradient clipping scales each gradient through megatron's local multi_tensor_scale
+    #    (utils.py:1212, `dst.copy_(src * scale)`: a temporary the size of every gradient) when apex
+    #    is missing; clip_grads.py passes the same list as source and destination, so the product
+    #    goes in place, with the same multiplication.
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.utils import local_multi_tensor_scale
+
+    if clip_grads.multi_tensor_scale_impl is not local_multi_tensor_scale:
+        raise RuntimeError("megatron.core.optimizer.clip_grads does not use megatron's local multi_tensor_scale: "
+                           "the cpu compat layer targets megatron-core 0.16.1 without apex")
+    clip_grads.multi_tensor_scale_impl = multi_tensor_scale_in_place
     _applied = True
+
+
+def multi_tensor_scale_in_place(chunk_size, noop_flag, tensor_lists, scale) -> None:
+    """megatron's ``local_multi_tensor_scale`` (``dst = src * scale``) without the temporary when
+    ``dst`` is ``src``."""
+    for src, dst in zip(tensor_lists[0], tensor_lists[1]):
+        if dst is src:
+            dst.mul_(scale)
+        else:
+            dst.copy_(src * scale)
+
+
+class EmbeddingIntoMainGrad(torch.autograd.Function):
+    """``F.embedding(ids, weight)`` whose backward adds the gradient's rows straight into
+    ``weight.main_grad`` (megatron's DDP buffer), as megatron's linear layers do under gradient
+    accumulation fusion: the dense backward's per-row sums (each row's gradients added in token
+    order onto zero) are formed for the micro-batch's distinct tokens only, then added once each,
+    the same arithmetic as the dense gradient added whole. The weight's own gradient is megatron's
+    placeholder (``torch.empty``, ``grad_added_to_main_grad`` set), so DDP's hook adds nothing."""
+
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.weight = weight
+        return torch.nn.functional.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (ids,) = ctx.saved_tensors
+        weight = ctx.weight
+        grad = grad_output.reshape(-1, grad_output.shape[-1])
+        rows, position = torch.unique(ids.reshape(-1), return_inverse=True)
+        sums = grad.new_zeros((rows.numel(), grad.shape[1])).index_add_(0, position, grad)
+        weight.main_grad.index_add_(0, rows, sums.to(weight.main_grad.dtype))
+        weight.grad_added_to_main_grad = True
+        return None, torch.empty(weight.main_grad.shape, dtype=grad.dtype, device=grad.device)
+
+
+def embedding_into_main_grad(input, weight, *args, **kwargs):
+    """``F.embedding`` as megatron's VocabParallelEmbedding calls it, through EmbeddingIntoMainGrad
+    when the weight trains under megatron's DDP with gradient accumulation fusion. Not for a weight that
+    a stage also uses as its output layer (PP=1 with tied embeddings: megatron marks it
+    ``zero_out_wgrad`` and adds the whole summed gradient in the DDP hook), nor with other options."""
+    if (args or kwargs or not torch.is_grad_enabled() or not weight.requires_grad
+            or getattr(weight, "main_grad", None) is None or not hasattr(weight, "grad_added_to_main_grad")
+            or getattr(weight, "zero_out_wgrad", False)):
+        return torch.nn.functional.embedding(input, weight, *args, **kwargs)
+    return EmbeddingIntoMainGrad.apply(input, weight)
+
+
+class _FunctionalWithFusedEmbedding(types.ModuleType):
+    """``torch.nn.functional`` as megatron's tensor_parallel/layers.py sees it: ``embedding`` is
+    embedding_into_main_grad; every other attribute is torch's own."""
+
+    def __init__(self):
+        super().__init__("torch.nn.functional")
+        self.embedding = embedding_into_main_grad
+
+    def __getattr__(self, name):
+        return getattr(torch.nn.functional, name)
 
 
 class CpuWgradAccumulation:

@@ -92,7 +92,8 @@ def test_cpu_compat_is_targeted():
 
 # megatron's own branch for gradient accumulation fusion (tensor_parallel/layers.py) with the cpu
 # kernel: the weight's gradient lands in main_grad, on top of what was there, and autograd's own
-# .grad is the dummy megatron hands back (DDP's hook then skips its add).
+# .grad is the dummy megatron hands back (DDP's hook then skips its add). The same for the word
+# embedding, and gradient clipping in place.
 FUSED_WGRAD = textwrap.dedent("""
     import os
     import torch
@@ -120,6 +121,46 @@ FUSED_WGRAD = textwrap.dedent("""
     assert weight.grad_added_to_main_grad, "megatron did not take its fused wgrad branch"
     assert torch.equal(weight.main_grad, expected), (weight.main_grad - expected).abs().max()
     assert torch.allclose(x.grad, grad_out.matmul(weight.detach()))
+
+    # The word embedding likewise (cpu_compat step 8): megatron's VocabParallelEmbedding adds the rows
+    # of its gradient into main_grad, equal to its dense gradient added whole, to the bit (tokens
+    # repeated within the micro-batch, two micro-batches), and hands autograd megatron's placeholder.
+    from megatron.core.tensor_parallel import VocabParallelEmbedding
+    emb = VocabParallelEmbedding(1000, 64, init_method=torch.nn.init.normal_, config=config)
+    ids = [torch.randint(0, 50, (4, 300)), torch.randint(0, 1000, (2, 40))]
+    grads = [torch.randn(4, 300, 64), torch.randn(2, 40, 64)]
+    start = torch.randn(1000, 64)
+    dense, dense_grads = start.clone(), []
+    for i, g in zip(ids, grads):
+        emb.weight.grad = None
+        torch.nn.functional.embedding(i, emb.weight).backward(g)
+        dense_grads.append(emb.weight.grad)
+        dense.add_(emb.weight.grad)
+    emb.weight.grad = None
+    emb.weight.main_grad, emb.weight.grad_added_to_main_grad = start.clone(), False
+    for i, g in zip(ids, grads):
+        out = emb(i)
+        assert torch.equal(out, torch.nn.functional.embedding(i, emb.weight.detach()))
+        out.backward(g)
+    assert emb.weight.grad_added_to_main_grad, "the embedding's gradient did not go to main_grad"
+    assert torch.equal(emb.weight.main_grad, dense), (emb.weight.main_grad - dense).abs().max()
+    # A weight that its stage also uses as the output layer (PP=1, tied) keeps the dense gradient:
+    # megatron adds the summed gradient of both uses in DDP's hook.
+    emb.weight.grad, emb.weight.zero_out_wgrad = None, True
+    emb.weight.main_grad, emb.weight.grad_added_to_main_grad = start.clone(), False
+    emb(ids[0]).backward(grads[0])
+    assert torch.equal(emb.weight.main_grad, start) and not emb.weight.grad_added_to_main_grad
+    assert torch.equal(emb.weight.grad, dense_grads[0])
+
+    # Gradient clipping scales megatron's gradients in place (cpu_compat step 9), as the product does.
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+    params = [torch.nn.Parameter(torch.randn(30, 7)), torch.nn.Parameter(torch.randn(5))]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    expected, storage = [p.grad * (1.0 / (4.0 + 1.0e-6)) for p in params], [p.grad.data_ptr() for p in params]
+    clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=4.0)
+    assert all(torch.equal(p.grad, e) for p, e in zip(params, expected))
+    assert [p.grad.data_ptr() for p in params] == storage
     print("ok")
 """)
 
