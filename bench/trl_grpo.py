@@ -59,9 +59,10 @@ def make_reward(spec: str, tokenizer):
 
 
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    from rlcore.data import _chat_ids
+    """The prompt's ids as the trainer's dataset makes them (rlcore.data.chat_ids)."""
+    from rlcore.data import chat_ids
 
-    return _chat_ids(tokenizer, messages)
+    return chat_ids(tokenizer, messages)
 
 
 def greedy_accuracy(model, tokenizer, rows: list[dict], reward_fn, max_new_tokens: int, eos_ids: list[int],

@@ -81,6 +81,19 @@ def test_trl_side_scores_with_the_trainers_reward_rule(tmp_path):
                     **{k: [r[k] for r in loaded] for k in ("ground_truth", "data_source", "extra_info", "row_index")})
     assert scores == [1.0, 0.0]
 
+    # Its prompts are templated by the trainer's own code (the driver checks the first ones' ids).
+    class ChatTokenizer(CharTokenizer):  # transformers 5: a BatchEncoding of a batch of one
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+            text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<a>" if add_generation_prompt else "")
+            return {"input_ids": [[ord(c) for c in text]]}
+
+    from bench.trl_grpo import prompt_ids
+    from rlcore.data import chat_ids
+
+    ids = prompt_ids(ChatTokenizer(), loaded[0]["prompt"])
+    assert ids == chat_ids(ChatTokenizer(), loaded[0]["prompt"])
+    assert "".join(map(chr, ids)) == "<user>What is 1 plus 2?<a>"
+
 
 def test_executed_rows_count_a_shared_prompt_once():
     from rlcore.batch import Trajectory, build_batch
