@@ -1,7 +1,7 @@
 """Where the actor's update spends its time: the job's real batches, then the update alone, rank by rank.
 
     .venv/bin/python -m bench.update_breakdown yaml_configs/smollm2_math_cpu.yaml --steps 3
-        [--profile] [--malloc glibc,keep,keep-trim] [key.sub=value ...]
+        [--profile] [--malloc glibc,keep,keep-trim] [--batches FILE] [key.sub=value ...]
 
 First ``--steps`` steps of the job run as in ``bench/e2e_step.py`` (Ray, Megatron, vLLM) and the
 batches the actor's update receives are kept; everything then shuts down. The actor's world is then
@@ -27,6 +27,11 @@ docs/cpu-profile.md, "Host memory", has what each costs.
 
 ``--profile`` also writes torch.profiler's op table of each rank's last update to
 ``<trainer.run_dir>-breakdown/profile_rank<r>.txt``.
+
+``--batches FILE`` keeps the collected batches in FILE (torch.save), and when FILE exists replays
+its first ``--steps`` batches instead of running the job: the same updates, replayed by two checkouts
+one after the other (an A/B of a change), with no Ray or vLLM start in between. The batches are data
+only (token ids, masks, advantages); the job spec still gives the model and the layout.
 """
 from __future__ import annotations
 
@@ -74,6 +79,25 @@ def collect_batches(spec: str, overrides: list[str], steps: int, run_dir: str) -
         trainer.shutdown()
         ray.shutdown()
     return kept, cfg
+
+
+def save_batches(kept: list, path: str) -> None:
+    """``--batches``: the kept updates as plain data (tensors, the loss config's fields, the head's
+    arguments), which ``load_batches`` reads back with torch.load's weights-only unpickler."""
+    import dataclasses
+
+    import torch
+
+    torch.save([(batch, dataclasses.asdict(loss_cfg), head_args) for batch, loss_cfg, head_args in kept], path)
+
+
+def load_batches(path: str) -> list:
+    import torch
+
+    from rlcore.config import LossConfig
+
+    return [(batch, LossConfig(**loss_cfg), head_args)
+            for batch, loss_cfg, head_args in torch.load(path, weights_only=True)]
 
 
 def _timed(table: dict, key: str, fn):
@@ -233,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--malloc", default="glibc",
                    help="comma-separated allocator modes to replay under, one after the other: glibc (the defaults "
                         "the workers run), keep, keep-trim (module docstring); default glibc")
+    p.add_argument("--batches", metavar="FILE",
+                   help="replay the batches kept in FILE if it exists, else collect them and keep them there")
     a = p.parse_args(argv)
     if a.steps < 1:
         p.error(f"--steps={a.steps} must be >= 1")
@@ -252,7 +278,15 @@ def main(argv: list[str] | None = None) -> int:
     from rlcore.job import load_job
 
     run_dir = load_job(a.spec, a.overrides).trainer.run_dir.rstrip("/") + "-breakdown"
-    kept, cfg = collect_batches(a.spec, a.overrides, a.steps, run_dir)
+    if a.batches and os.path.isfile(a.batches):
+        kept, cfg = load_batches(a.batches), load_job(a.spec, a.overrides)
+        if len(kept) < a.steps:
+            p.error(f"--batches {a.batches} holds {len(kept)} batches, fewer than --steps={a.steps}")
+        kept = kept[:a.steps]
+    else:
+        kept, cfg = collect_batches(a.spec, a.overrides, a.steps, run_dir)
+        if a.batches:
+            save_batches(kept, a.batches)
     layout = validate(cfg)
     if layout.device != "cpu":
         p.error("the breakdown runs the actor's world as local processes: cpu profile only")

@@ -158,3 +158,20 @@ def test_update_breakdown_refuses_an_unknown_malloc_mode_before_it_starts(capsys
     err = capsys.readouterr().err
     assert "--malloc: unknown mode(s) ['kep']" in err and "glibc, keep, keep-trim" in err
 
+
+
+def test_update_breakdown_keeps_its_batches_as_data_and_replays_them(tmp_path, capsys):
+    """--batches FILE: the kept updates are saved as tensors and plain fields (torch.load's weights-only
+    unpickler reads them back), and a file with fewer batches than --steps is refused before any run."""
+    from bench.update_breakdown import load_batches, main, save_batches
+    from rlcore.config import LossConfig
+
+    path = str(tmp_path / "batches.pt")
+    batch = {"input_ids": torch.arange(6).view(2, 3), "advantages": torch.randn(2, 3)}
+    save_batches([(batch, LossConfig(clip_ratio_high=0.28), {"temperature": 0.7, "on_policy": True})], path)
+    [(loaded, loss_cfg, head_args)] = load_batches(path)
+    assert sorted(loaded) == sorted(batch) and all(torch.equal(loaded[k], v) for k, v in batch.items())
+    assert loss_cfg == LossConfig(clip_ratio_high=0.28) and head_args == {"temperature": 0.7, "on_policy": True}
+    with pytest.raises(SystemExit):
+        main(["yaml_configs/smollm2_math_cpu.yaml", "--steps", "2", "--batches", path])
+    assert f"--batches {path} holds 1 batches, fewer than --steps=2" in capsys.readouterr().err
