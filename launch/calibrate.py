@@ -13,8 +13,9 @@ measure:
   head's over the vocabulary, the unfused attention's over [heads, s, s]);
 - ``allreduce_s`` and ``allreduce_bytes_s``: a gloo all-reduce's latency and bandwidth (TP's four
   per layer per micro-batch, DP's gradient all-reduce);
-- ``adam_s_per_param``: torch's Adam step per fp32 parameter on one thread (each rank steps its own
-  stage's parameters, all of them under DP).
+- ``adam_s_per_param``: torch's fused AdamW step per fp32 parameter on one thread, the kernel the
+  workers' optimizer runs on the cpu profile (each rank steps its own stage's parameters, all of them
+  under DP).
 The cost model reads nothing else; the constants stored in ``launch/plan.py`` came from this command.
 """
 from __future__ import annotations
@@ -81,7 +82,7 @@ def _rank(rank: int, port: int, model_dirs: list[str], tokens: int, hidden: int,
 
     weights = torch.nn.Parameter(torch.randn(1 << 22))
     weights.grad = torch.randn_like(weights)
-    adam = torch.optim.Adam([weights], lr=1e-6)
+    adam = torch.optim.AdamW([weights], lr=1e-6, fused=True)  # as megatron_workers/engine.py use_fused_cpu_adam
     adam.step()
     out["adam_s_per_param"] = _best(adam.step, 5) / weights.numel()
 

@@ -91,6 +91,18 @@ def follow_lr_scheduler(lr_scheduler) -> None:
     lr_scheduler.step(increment=0)
 
 
+def use_fused_cpu_adam(optimizer) -> None:
+    """torch's fused CPU AdamW kernel for megatron's optimizer (the cpu profile). Without
+    TransformerEngine or apex megatron-core falls back to torch's AdamW with its defaults
+    (optimizer/__init__.py:32), whose CPU step is a python loop of ~10 tensor ops per parameter, with
+    two temporaries the size of each (the square root, the division): 0.5-1.8 s per step on a
+    SmolLM2 stage against 0.16-0.19 s fused (docs/cpu-profile.md). The same AdamW, rounded differently
+    in the last bits. Set on the parameter groups, which a checkpoint's optimizer state replaces: the
+    engine sets it again after every load."""
+    for group in optimizer.param_groups:
+        group["fused"] = True
+
+
 class MegatronEngine:
     """Construction is cheap (Ray creates the actor); ``init`` joins the world and builds the model and
     must run on every rank of the group at once."""
@@ -267,6 +279,8 @@ class MegatronEngine:
             use_distributed_optimizer=o.use_distributed_optimizer)
         self.optimizer = get_megatron_optimizer(opt_config, self.ddp_chunks)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, schedule, o.weight_decay)
+        if self.profile == "cpu":
+            use_fused_cpu_adam(self.optimizer)
         # The hooks megatron's schedules call: skip the DP all-reduce on all but the last micro-batch,
         # then reduce gradients over DP (and the tied embedding over the first/last PP stages).
         no_sync = [ddp.no_sync for ddp in self.ddp_chunks]
@@ -477,6 +491,8 @@ class MegatronEngine:
         load_role(path, self.model_chunks, self.optimizer, self.lr_scheduler, with_optimizer)
         if with_optimizer and self.optimizer is not None:
             follow_lr_scheduler(self.lr_scheduler)
+        if self.optimizer is not None and self.profile == "cpu":
+            use_fused_cpu_adam(self.optimizer)
 
     # ----------------------------------------------------------------------------- full weights
     def hf_state_dict(self) -> dict[str, torch.Tensor] | None:

@@ -151,8 +151,19 @@ def test_one_process_matches_transformers_and_first_step_is_on_policy(model_path
     mask = batch["response_mask"]
     assert metrics["actor/pg_loss"] == pytest.approx(float(-(batch["advantages"] * mask).sum() / mask.sum()),
                                                      abs=1e-6)
-    # The update changed the model.
+    # The update changed the model ...
     assert not torch.allclose(after, before)
+    # ... by one step of torch's AdamW on the clipped gradient (megatron's optimizer; on the cpu profile
+    # torch's fused kernel, megatron_workers/engine.py use_fused_cpu_adam), weight decay 0.
+    clip = min(1.0, OPTIM.clip_grad / (float(grad_norm) + 1e-6))
+    for p in model.parameters():
+        p.grad.mul_(clip)
+    torch.optim.AdamW(model.parameters(), lr=OPTIM.lr, betas=(OPTIM.adam_beta1, OPTIM.adam_beta2),
+                      eps=OPTIM.adam_eps, weight_decay=0.0).step()
+    stepped = model.state_dict()
+    assert weights and set(weights) <= set(stepped)
+    for name, value in weights.items():
+        torch.testing.assert_close(value, stepped[name].detach(), atol=TOL, rtol=0, msg=name)
 
 
 @pytest.mark.parametrize("tp,pp,dp,vpp,pp_layers", [(2, 1, 1, 1, None), (1, 2, 1, 1, None), (1, 1, 2, 1, None),
