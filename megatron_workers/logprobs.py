@@ -15,34 +15,38 @@ import torch.nn.functional as F
 
 # exp(-87) = 1.6e-38, just above float32's smallest normal number (1.2e-38).
 _EXP_FLUSH_BELOW = -87.0
+_EXP_FLUSHED = float(torch.tensor(_EXP_FLUSH_BELOW).exp())
 
 
 def _exp_without_denormals(x: torch.Tensor) -> torch.Tensor:
-    """``x.exp()`` on the CPU with 0 wherever x < -87 (where exp is below 1.6e-38, denormal from
-    -87.3 down). Over a vocabulary most tokens' shifted logits lie far below the largest, and x86
-    computes an exp that underflows 15-40x slower than a normal one, and a product with a denormal
+    """``x.exp()`` on the CPU with every result at or below exp(-87) = 1.6e-38 set to 0 (denormal
+    from 1.2e-38 down). Over a vocabulary most tokens' shifted logits lie far below the largest, and
+    x86 computes an exp that underflows 15-40x slower than a normal one, and a product with a denormal
     operand ~4x slower (measured on an Intel Xeon, one thread, exp over [119, 49152]: 6 ms on inputs in
     [-20, 0], 231 ms in [-104, -88], 96 ms in [-150, -110]). What is flushed is below 1.6e-38: next to
     Z >= 1 it is nothing, and it moves a sum only where every term is that small (the entropy of a
-    distribution with all but one token below it, < 1e-33 either way). On the GPU ``x.exp()`` as it is."""
+    distribution with all but one token below it, < 1e-33 either way). One new buffer, no mask. On the
+    GPU ``x.exp()`` as it is."""
     if x.device.type != "cpu":
         return x.exp()
-    out = x.clamp_min(_EXP_FLUSH_BELOW).exp_()
-    return out.masked_fill_(x < _EXP_FLUSH_BELOW, 0.0)
+    return F.threshold_(x.clamp_min(_EXP_FLUSH_BELOW).exp_(), _EXP_FLUSHED, 0.0)
 
 
 class _VocabParallelLogProbEntropy(torch.autograd.Function):
-    """(log p(target), entropy) per position from this rank's slice of the logits.
+    """(log p(target), entropy) per position from this rank's slice of the logits at a temperature.
 
-    With s = logits - max, Z = sum(exp s), p = exp(s) / Z, H = log Z - sum(p s):
-    d log p(target) / d s_j = [j == target] - p_j and d H / d s_j = -p_j (log p_j + H).
+    With s = logits / T - max, Z = sum(exp s), p = exp(s) / Z, H = log Z - sum(p s):
+    d log p(target) / d s_j = [j == target] - p_j and d H / d s_j = -p_j (log p_j + H), and
+    d / d logits = (d / d s) / T.
 
-    Two [.., V/TP] buffers in the forward (s, which becomes the saved log-softmax, and exp s) and one
-    in the backward (p, which becomes the gradient): on the CPU every fresh buffer of that size is
-    ~5,000 pages the kernel faults in and zeroes, so the arithmetic goes in place where it can."""
+    Two new [.., V/TP] buffers in the forward (logits / T, which becomes s and then the saved
+    log-softmax; and exp s) and one in the backward (p, which becomes the gradient): on the CPU each
+    fresh buffer of that size is ~5,000 pages the kernel faults in and zeroes (~20-40 ms each on the
+    development VM), so the rest is done in place, the same operations in the same order as the
+    out-of-place formulas (equal to the bit)."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, tp_group):
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, temperature: float, tp_group):
         tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
         tp_rank = dist.get_rank(tp_group) if tp_size > 1 else 0
         vocab_local = logits.shape[-1]
@@ -50,10 +54,12 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         in_range = (local_target >= 0) & (local_target < vocab_local)
         local_target = torch.where(in_range, local_target, torch.zeros_like(local_target))
 
-        logits_max = logits.max(dim=-1).values
+        # Never the caller's buffer: a new fp32 one (the division, or the cast and then the division).
+        scaled = logits.div(temperature) if logits.dtype == torch.float32 else logits.float().div_(temperature)
+        logits_max = scaled.max(dim=-1).values
         if tp_size > 1:
             dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=tp_group)
-        shifted = logits - logits_max.unsqueeze(-1)
+        shifted = scaled.sub_(logits_max.unsqueeze(-1))
         exp = _exp_without_denormals(shifted)
         target_shifted = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) * in_range
         sum_exp = exp.sum(-1)
@@ -66,8 +72,9 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         logprob = target_shifted - log_z
         entropy = log_z - sum_exp_shifted / sum_exp
 
-        log_softmax = shifted.sub_(log_z.unsqueeze(-1))  # reuse the buffer: one [.., V/TP] is saved
+        log_softmax = shifted.sub_(log_z.unsqueeze(-1))  # the one [.., V/TP] buffer saved
         ctx.save_for_backward(log_softmax, entropy, local_target, in_range)
+        ctx.temperature = temperature
         return logprob, entropy
 
     @staticmethod
@@ -75,19 +82,22 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         log_softmax, entropy, local_target, in_range = ctx.saved_tensors
         probs = _exp_without_denormals(log_softmax)
         # -p (g_logprob + g_entropy (log p + H)), evaluated in the saved buffer (not needed after this
-        # backward, which megatron runs once) and in p's, the same operations in the same order.
+        # backward, which megatron runs once) and in p's.
         factor = log_softmax.add_(entropy.unsqueeze(-1)).mul_(grad_entropy.unsqueeze(-1))
         factor.add_(grad_logprob.unsqueeze(-1))
         grad = probs.mul_(factor).neg_()
         del factor
         grad.scatter_add_(-1, local_target.unsqueeze(-1), (grad_logprob * in_range).unsqueeze(-1))
-        return grad, None, None
+        return grad.div_(ctx.temperature), None, None, None
 
 
-def vocab_parallel_logprobs(logits: torch.Tensor, target: torch.Tensor, tp_group=None):
-    """(log p(target), entropy), each shaped like ``target``, from ``logits`` [..., vocab / TP] that
-    hold this TP rank's contiguous slice of the vocabulary (rank r: [r V/TP, (r+1) V/TP))."""
-    return _VocabParallelLogProbEntropy.apply(logits.float(), target, tp_group)
+def vocab_parallel_logprobs(logits: torch.Tensor, target: torch.Tensor, tp_group=None, temperature: float = 1.0):
+    """(log p(target), entropy), each shaped like ``target``, of the softmax of ``logits`` /
+    ``temperature``, from ``logits`` [..., vocab / TP] that hold this TP rank's contiguous slice of the
+    vocabulary (rank r: [r V/TP, (r+1) V/TP)). ``logits`` is not modified."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    return _VocabParallelLogProbEntropy.apply(logits, target, float(temperature), tp_group)
 
 
 def token_logprobs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0,
@@ -97,10 +107,7 @@ def token_logprobs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor, te
 
     ``logits`` [B, S, vocab / TP] are the model's vocab-parallel output; they are divided by
     ``temperature`` first (the sampler's distribution) and never modified in place."""
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    scaled = logits[:, :-1].float() / temperature
-    logprob, entropy = vocab_parallel_logprobs(scaled, input_ids[:, 1:], tp_group)
+    logprob, entropy = vocab_parallel_logprobs(logits[:, :-1], input_ids[:, 1:], tp_group, temperature)
     return F.pad(logprob, (1, 0)), F.pad(entropy, (1, 0))
 
 
@@ -111,11 +118,8 @@ def scored_logprobs_and_entropy(output: torch.Tensor, input_ids: torch.Tensor, i
     positions nobody scored hold 0. ``inputs`` None or without a selection: every position."""
     if inputs is None or inputs.src is None:
         return token_logprobs_and_entropy(output, input_ids, temperature, tp_group)
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
     from .packing import scatter_tokens
 
-    logits = output.reshape(-1, output.shape[-1]).float() / temperature
     target = input_ids.reshape(-1).index_select(0, inputs.dst)
-    logprob, entropy = vocab_parallel_logprobs(logits, target, tp_group)
+    logprob, entropy = vocab_parallel_logprobs(output.reshape(-1, output.shape[-1]), target, tp_group, temperature)
     return scatter_tokens(logprob, inputs), scatter_tokens(entropy, inputs)
