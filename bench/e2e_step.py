@@ -46,6 +46,8 @@ PHASES = (("timing/rollout_s", "rollout (vLLM generate)"), ("timing/reward_s", "
           ("timing/advantages_s", "advantages"), ("timing/critic_update_s", "critic update"),
           ("timing/update_s", "update (fwd+bwd+optim)"), ("timing/weight_sync_s", "weight sync"))
 TOTAL = "timing/step_s"
+SYNC_KEYS = ("weight_sync/load_s", "weight_sync/recv_wait_s", "weight_sync/pack_s", "weight_sync/send_wait_s",
+             "weight_sync/recv_page_faults")
 
 
 def update_flops_per_row(hf, tokens: int, scored: int) -> float:
@@ -254,6 +256,13 @@ def render(result: dict) -> str:
     lines += [f"| {label} | {value:.2f} | {100 * value / parts:.0f}% |" for label, value in rows]
     lines.append(f"| **step total** (median of the totals) | **{total:.2f}** | |")
     lines.append(f"| step / sum of phases (median over steps; 1.0 = no overlap) | {overlap(measured):.2f} | |")
+    sync = {key: statistics.median(m[key] for m, *_ in measured) for key in SYNC_KEYS
+            if all(key in m for m, *_ in measured)}
+    if len(sync) == len(SYNC_KEYS):
+        lines += ["", f"Weight sync (medians; rlcore.weight_sync.sync_metrics): engine load "
+                      f"{sync['weight_sync/load_s']:.2f} s, waiting for arrivals {sync['weight_sync/recv_wait_s']:.2f} s; "
+                      f"slowest sender packing {sync['weight_sync/pack_s']:.2f} s, waiting {sync['weight_sync/send_wait_s']:.2f} s; "
+                      f"{sync['weight_sync/recv_page_faults']:,.0f} minor page faults in the engines' processes per sync."]
     gen = sum(g for _, g, _, _ in measured) / sum(m["timing/rollout_s"] for m, *_ in measured)
     update_s = sum(m["timing/update_s"] for m, *_ in measured)
     trained = sum(t for _, _, t, _ in measured) / update_s

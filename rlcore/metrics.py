@@ -10,6 +10,14 @@ from typing import Any, Mapping, MutableMapping, Optional, Sequence
 from rlcore.loggers import LOGGERS, LoggerContext, check_loggers, flatten
 
 DEFAULT_LOGGERS = ("console", "jsonl", "tensorboard")
+# Metrics that measure the machine, not the training: wall times, the weight sync's parts and page
+# faults. Two runs of the same job (a resumed one and an uninterrupted one) differ in these only.
+MEASUREMENT_PREFIXES = ("timing/", "weight_sync/")
+
+
+def is_measurement(key: str) -> bool:
+    """Whether metric ``key`` is a measurement of the machine (``MEASUREMENT_PREFIXES``)."""
+    return key.startswith(MEASUREMENT_PREFIXES)
 
 
 def _scalar(key: str, value: Any) -> float:

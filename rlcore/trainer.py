@@ -35,6 +35,7 @@ from rlcore.reward_sources import RewardCombination, SourceScores, placed_token_
 from rlcore.roles import Roles, UpdateResult
 from rlcore.rollout_queue import RolloutQueue, staleness
 from rlcore.samples import Samples, queued_batches_to_restore
+from rlcore.weight_sync import sync_metrics
 
 
 class SamplingError(RuntimeError):
@@ -108,6 +109,7 @@ class Trainer(StepLoop):
                 self.rollouts.wait_idle()
         with timer("weight_sync", m):
             reports = self.sync_weights(self.version + 1)
+        m.update(sync_metrics(reports))
         if cfg.rollout.partial_rollouts:  # whether this sync paused a generation (else it found the engines idle)
             m["rollout/sync_mid_generation"] = float(any(r.get("mid_generation") for r in reports))
         m.update(batch_metrics(batch, s.trajs, total_rewards(s.scores, s.token_rewards)))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import time
 from collections.abc import Iterator
 
@@ -135,6 +136,7 @@ class WeightSyncWorkerExtension:
             raise RuntimeError("weight sync: receive_weights before init_weight_sync")
         stats: dict = {"transport": reader.links[0].transport,
                        "load": "in_place" if self._rlx_in_place else "reload"}
+        faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
         # A reload keeps the tensors of a layer until all of them have arrived (vLLM's layerwise
         # reload), so it needs tensors that outlive their bucket. An in-place load copies each
@@ -159,6 +161,7 @@ class WeightSyncWorkerExtension:
             self._rlx_after_reload()
         stats["total_s"] = time.perf_counter() - t0
         stats["load_s"] = stats["total_s"] - stats["recv_wait_s"]
+        stats["page_faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
         return stats
 
     def _rlx_vocab_rows_loader(self, stats: dict):

@@ -9,6 +9,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlcore.metrics import is_measurement
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = "yaml_configs/quickstart_cpu.yaml"
 # The small quickstart run (8 prompts x 8 samples, 4 steps, no validation) that the checkpoint,
@@ -49,11 +51,11 @@ def small_quickstart_cmd(model: str, data: str, run_dir, *extra: str, steps: int
 
 
 def step_metrics(run_dir) -> dict[int, dict]:
-    """metrics.jsonl by step, without the timings (they differ from run to run); no step twice."""
+    """metrics.jsonl by step, without the measurements (timings, page faults: they differ from run to run); no step twice."""
     rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in rows]
     assert len(steps) == len(set(steps)), f"a step is logged twice: {steps}"
-    return {r["step"]: {k: v for k, v in r.items() if not k.startswith("timing/")} for r in rows}
+    return {r["step"]: {k: v for k, v in r.items() if not is_measurement(k)} for r in rows}
 
 
 @dataclass

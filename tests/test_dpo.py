@@ -14,6 +14,7 @@ import torch
 from rlcore.batch import Batch
 from rlcore.config import DPOConfig, OptimConfig
 from rlcore.data import DataError
+from rlcore.metrics import is_measurement
 from rlcore.preference_data import PreferenceDataset, pair_batch
 from rlcore.preference_losses import dpo_batch_loss, dpo_loss, pair_weights
 
@@ -343,8 +344,8 @@ def test_rlx_train_dpo_validates_and_resumes_exactly(dpo_runs):
     assert uninterrupted[2]["val/dpo_margin"] != 0  # trained away from the reference
     # The resumed step 2 (weights, Adam state and loader position from the checkpoint; the engines synced
     # before the greedy validation) is the uninterrupted run's.
-    keys = [k for k in uninterrupted[2] if not k.startswith("timing/")]
-    assert keys == [k for k in resumed[2] if not k.startswith("timing/")]
+    keys = [k for k in uninterrupted[2] if not is_measurement(k)]
+    assert keys == [k for k in resumed[2] if not is_measurement(k)]
     for k in keys:
         assert resumed[2][k] == pytest.approx(uninterrupted[2][k], rel=1e-6, abs=1e-7), k
 

@@ -77,10 +77,13 @@ def test_quickstart_steps_end_to_end_until_the_reward_function_raises(tmp_path, 
     required = ["reward/mean", "response_length/mean", "actor/pg_loss", "actor/ppo_kl", "actor/clip_frac",
                 "actor/entropy", "actor/kl_ref", "actor/grad_norm", "rollout/logprob_diff_max",
                 "weights/version", "timing/rollout_s", "timing/reward_s", "timing/logprob_s",
-                "timing/update_s", "timing/weight_sync_s", "timing/step_s"]
+                "timing/update_s", "timing/weight_sync_s", "timing/step_s", "weight_sync/load_s",
+                "weight_sync/recv_wait_s", "weight_sync/pack_s", "weight_sync/send_wait_s",
+                "weight_sync/recv_page_faults"]
     for key in required:
         assert key in train[0], f"metrics.jsonl lacks {key}"
     assert abs(train[0]["actor/ppo_kl"]) < 1e-6
+    assert all(0 < x["weight_sync/load_s"] <= x["timing/weight_sync_s"] for x in train)
     assert train[0]["actor/clip_frac"] == 0.0
     assert [x["weights/version"] for x in train] == [1.0, 2.0]
     assert [x["rollout/weight_version"] for x in train] == [0.0, 1.0]  # step 2 sampled from step 1's sync

@@ -20,7 +20,7 @@ import torch
 from launch.assets import make_tiny_model
 from rlcore.batch import Batch
 from rlcore.config import OptimConfig, RolloutConfig
-from rlcore.weight_sync import connect_weight_sync, sync_weights
+from rlcore.weight_sync import connect_weight_sync, sync_metrics, sync_weights
 
 pytestmark = pytest.mark.e2e
 
@@ -130,6 +130,11 @@ def test_synced_engines_match_the_actor(actors, rollouts, actor_layout, rollout_
         assert r["transport"] == transport and r["load"] == ("reload" if ROLLOUT_PREPACK[rollout_layout] else "in_place")
         if (actor_layout, rollout_layout) in SMALL_BUCKETS:  # embedding and lm_head pieces: 2 x 2 each
             assert r["pieces_loaded_directly"] == 4
+    # The step's weight_sync/* metrics (rlcore/trainer.py logs them) come from these reports.
+    synced = sync_metrics(reports)
+    assert synced["weight_sync/load_s"] == max(r["load_s"] for r in reports) > 0
+    assert synced["weight_sync/send_wait_s"] >= 0 and synced["weight_sync/pack_s"] > 0
+    assert synced["weight_sync/recv_page_faults"] == sum(r["page_faults"] for r in reports) >= 0
     for e in range(pool.num_engines):
         got = torch.tensor(pool.prompt_logprobs(seqs, engine=e))[:, 1:]
         diff = (got - expected).abs().max().item()

@@ -13,7 +13,7 @@ from rlcore import loggers as loggers_mod
 from rlcore.config import JobConfig
 from rlcore.job import ConfigError, load_job
 from rlcore.loggers import LoggerContext, check_loggers
-from rlcore.metrics import MetricsLogger, timer
+from rlcore.metrics import MetricsLogger, is_measurement, timer
 
 
 def _ctx(run_dir, start_step=0, **kw) -> LoggerContext:
@@ -27,6 +27,9 @@ def test_metrics_jsonl_tensorboard_and_timer(tmp_path):
     with timer("rollout", m):
         pass
     assert m["timing/rollout_s"] >= 0.0
+    # What resumed runs leave out when they compare their metrics with an uninterrupted run's.
+    assert is_measurement("timing/rollout_s") and is_measurement("weight_sync/recv_page_faults")
+    assert not any(map(is_measurement, ("reward/mean", "actor/pg_loss", "rollout/weight_version")))
     with MetricsLogger(_ctx(tmp_path), ["console", "jsonl", "tensorboard"]) as log:
         log.log(1, {"reward/mean": 0.25, "actor/pg_loss": torch.tensor(-0.5), **m})
         log.log(2, {"reward/mean": 0.75})

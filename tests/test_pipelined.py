@@ -13,6 +13,7 @@ import pytest
 
 from tests.runs import ONE_RANK, train_cli
 from rlcore.checkpoint import CONTROLLER, QUEUED, step_dir_name
+from rlcore.metrics import is_measurement
 
 pytestmark = pytest.mark.e2e
 
@@ -22,7 +23,7 @@ def _train(spec: str, run_dir, model: str, data: str, *overrides: str) -> list[d
 
 
 def untimed(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not k.startswith("timing/")}
+    return {k: v for k, v in row.items() if not is_measurement(k)}
 
 
 def _mean(rows: list[dict], key: str) -> float:

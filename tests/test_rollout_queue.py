@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from rlcore.job import ConfigError, load_job
+from rlcore.metrics import is_measurement
 from rlcore.rollout_queue import RolloutQueue, SavedBatch, staleness
 from rlcore.validate import validate
 
@@ -273,7 +274,7 @@ def _same(a, b) -> bool:
         return x == y
 
     def untimed(m):
-        return {k: v for k, v in m.items() if not k.startswith("timing/")}
+        return {k: v for k, v in m.items() if not is_measurement(k)}
 
     return untimed(a.metrics) == untimed(b.metrics) and all(
         eq(getattr(a, f), getattr(b, f)) for f in ("prompts", "trajs", "scores", "baseline_scores", "token_rewards"))

@@ -99,3 +99,20 @@ def test_the_registry_refuses_a_second_transport_of_one_name():
     with pytest.raises(ValueError, match="'auto' is reserved"):
         register(type("Auto", (Transport,), {"name": "auto"}), registry)
     assert list(registry) == list(REGISTRY)
+
+
+def test_a_steps_sync_metrics_take_the_slowest_side_and_sum_the_engines_page_faults():
+    """rlcore.weight_sync.sync_metrics: the slowest engine's load and wait, the slowest sender's
+    gather + packing and wait, the engines' page faults summed; none without reports, and no fault
+    count unless every engine reported one."""
+    from rlcore.weight_sync import sync_metrics
+
+    send = [{"gather_s": 0.0, "pack_s": 0.2, "send_wait_s": 1.1}, {"gather_s": 0.5, "pack_s": 0.1, "send_wait_s": 0.7}]
+    reports = [{"load_s": 1.5, "recv_wait_s": 0.01, "page_faults": 1000, "send": send},
+               {"load_s": 1.25, "recv_wait_s": 0.25, "page_faults": 24, "send": send}]
+    assert sync_metrics(reports) == {"weight_sync/load_s": 1.5, "weight_sync/recv_wait_s": 0.25,
+                                     "weight_sync/pack_s": 0.6, "weight_sync/send_wait_s": 1.1,
+                                     "weight_sync/recv_page_faults": 1024.0}
+    del reports[1]["page_faults"]
+    assert "weight_sync/recv_page_faults" not in sync_metrics(reports)
+    assert sync_metrics([]) == {}

@@ -5,7 +5,7 @@
 - ``group``: a stage's ``WeightSyncGroup`` and the ``StageLink`` its members join by;
 - ``transport``: the writer/reader interface; one file per transport, registered in ``factory``,
   which also picks one for ``rollout.weight_transport``;
-- ``sides``: the Protocols of the two sides; ``sync``: connect, sync, check;
+- ``sides``: the Protocols of the two sides; ``sync``: connect, sync, check, the step's metrics;
 - ``checks``: checksums; ``rss``: the peak-memory sampler both sides report.
 """
 from .checks import WeightMismatchError, check_engines, checksum, compare_checksums
@@ -14,7 +14,7 @@ from .group import StageLink, WeightSyncGroup
 from .plan import DTYPES, Assembler, Bucket, TensorSpec, plan_buckets, plan_tensors, split_rows, unpack
 from .rss import PeakRss
 from .sides import StageSource, WeightReceiver, WeightSender
-from .sync import connect_weight_sync, sync_weights
+from .sync import connect_weight_sync, sync_metrics, sync_weights
 from .transport import StageReader, StageWriter, Transport
 
 __all__ = [
@@ -24,5 +24,5 @@ __all__ = [
     "REGISTRY", "TRANSPORTS", "choose_transport", "create_writer", "open_reader", "open_writer", "register",
     "StageReader", "StageWriter", "Transport",
     "StageSource", "WeightReceiver", "WeightSender",
-    "connect_weight_sync", "sync_weights",
+    "connect_weight_sync", "sync_metrics", "sync_weights",
 ]

@@ -64,6 +64,26 @@ def sync_weights(senders: WeightSender, receivers: WeightReceiver, version: int,
     return reports
 
 
+def sync_metrics(reports: list) -> dict[str, float]:
+    """A step's ``weight_sync/*`` metrics from ``sync_weights``' reports: the slowest engine's load
+    (``load_s``: its loader's time, arrivals excluded) and wait for arrivals (``recv_wait_s``), the
+    slowest sender's packing (``pack_s``: TP gather and renaming included) and wait (``send_wait_s``:
+    for the receivers to take its buckets), and the minor page faults of the receiving processes
+    during the sync, summed (``recv_page_faults``: pages the kernel had to map and zero-fill, each
+    a few microseconds; on the cpu profile a reload allocates most of the model afresh)."""
+    if not reports:
+        return {}
+    sent = reports[0].get("send", [])
+    m = {"weight_sync/load_s": max(r["load_s"] for r in reports),
+         "weight_sync/recv_wait_s": max(r["recv_wait_s"] for r in reports)}
+    if sent:
+        m["weight_sync/pack_s"] = max(s.get("gather_s", 0.0) + s["pack_s"] for s in sent)
+        m["weight_sync/send_wait_s"] = max(s["send_wait_s"] for s in sent)
+    if all("page_faults" in r for r in reports):
+        m["weight_sync/recv_page_faults"] = float(sum(r["page_faults"] for r in reports))
+    return m
+
+
 def await_members(senders: WeightSender, sender_refs: list, engine_refs: list, what: str,
                   timeout_s: float) -> tuple[list, list]:
     """The results of every sender rank's and every engine's part of ``what`` (refs, in rank and
