@@ -51,7 +51,8 @@ def small_quickstart_cmd(model: str, data: str, run_dir, *extra: str, steps: int
 
 
 def step_metrics(run_dir) -> dict[int, dict]:
-    """metrics.jsonl by step, without the measurements (timings, page faults: they differ from run to run); no step twice."""
+    """metrics.jsonl by step, without the measurements (timings, page faults: they differ from run to
+    run); no step twice."""
     rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in rows]
     assert len(steps) == len(set(steps)), f"a step is logged twice: {steps}"
