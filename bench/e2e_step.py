@@ -229,6 +229,19 @@ def overlap(measured: list) -> float:
     return statistics.median(m[TOTAL] / sum(m[k] for k, _ in phases) for m, *_ in measured)
 
 
+def logprob_gap_line(measured: list) -> str | None:
+    """The largest engine/trainer log-prob gap of the measured steps. Synchronous, it is numerics alone
+    (~1e-5 in fp32); with trainer.off_policy_steps the trajectories were sampled by older weights, so it
+    also holds the policy's change since then, and the line says so rather than look like a mismatch."""
+    diffs = [m["rollout/logprob_diff_max"] for m, *_ in measured if "rollout/logprob_diff_max" in m]
+    if not diffs:
+        return None
+    lag = max(m.get("rollout/staleness_max", 0.0) for m, *_ in measured)
+    why = (f" (trajectories up to {lag:.0f} weight version(s) old: the gap includes the policy's own change "
+           f"since they were sampled, which actor.loss.rollout_correction is for)" if lag > 0 else "")
+    return f"Largest engine/trainer log-prob gap over the measured steps: {max(diffs):.2g}{why}."
+
+
 def render(result: dict) -> str:
     measured, cfg = result["measured"], result["cfg"]
     phases = phase_keys(measured)
@@ -290,9 +303,9 @@ def render(result: dict) -> str:
     if result["peak_pss_mb"] is not None:
         lines.append(f"| **counted once** (peak summed PSS of this process's tree: the roles and Ray's own "
                      f"processes; shared pages once) | | **{result['peak_pss_mb']:.0f}** |")
-    diffs = [m["rollout/logprob_diff_max"] for m, *_ in measured if "rollout/logprob_diff_max" in m]
-    if diffs:
-        lines += ["", f"Largest engine/trainer log-prob gap over the measured steps: {max(diffs):.2g}."]
+    gap = logprob_gap_line(measured)
+    if gap:
+        lines += ["", gap]
     lines.append(f"Slowest phase: {slowest[0]} ({100 * slowest[1] / parts:.0f}% of a step).")
     return "\n".join(lines)
 

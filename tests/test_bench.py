@@ -4,7 +4,7 @@ terms, refusing what TRL cannot reproduce."""
 import pytest
 import torch
 
-from bench.e2e_step import TOTAL, executed_rows, overlap, update_flops_per_row
+from bench.e2e_step import TOTAL, executed_rows, logprob_gap_line, overlap, update_flops_per_row
 from bench.vs_trl import NotComparable, trl_job
 from rlcore.hf_config import parse_hf_config
 from rlcore.job import load_job
@@ -27,6 +27,17 @@ def test_overlap_is_step_over_the_sum_of_phases():
     overlapped = {TOTAL: 6.0, "timing/rollout_s": 4.0, "timing/update_s": 6.0}
     assert overlap([(sequential, 0, 0, 0.0)]) == pytest.approx(1.0)
     assert overlap([(overlapped, 0, 0, 0.0), (overlapped, 0, 0, 0.0)]) == pytest.approx(0.6)
+
+
+def test_the_logprob_gap_line_says_when_trajectories_were_sampled_by_older_weights():
+    synchronous = {"rollout/logprob_diff_max": 8.6e-5, "rollout/staleness_max": 0.0}
+    ahead = {"rollout/logprob_diff_max": 0.74, "rollout/staleness_max": 1.0}
+    assert logprob_gap_line([({}, 0, 0, 0.0)]) is None
+    line = logprob_gap_line([(synchronous, 0, 0, 0.0)])
+    assert line == "Largest engine/trainer log-prob gap over the measured steps: 8.6e-05."
+    line = logprob_gap_line([(synchronous, 0, 0, 0.0), (ahead, 0, 0, 0.0)])
+    assert line.startswith("Largest engine/trainer log-prob gap over the measured steps: 0.74 (trajectories up to "
+                           "1 weight version(s) old")
 
 
 def test_trl_job_states_the_same_job():
