@@ -229,10 +229,15 @@ def entry() -> int:
     every object torch, Ray and transformers made: 1.6-2.1 s of CPU after a one-step quickstart on
     the 2-core machine (0.1 s without it), ending in triton's bindings reporting their objects as
     leaked on stderr. By then every run is over: roles and Ray stopped, loggers and files closed."""
-    code = main()
+    exit_without_teardown(main())
+
+
+def exit_without_teardown(code: int) -> None:
+    """End the process with ``code`` as the interpreter's exit would, less its teardown of every module
+    and object (the test suite's process ends this way too: tests/conftest.py)."""
     threading._shutdown()  # as the interpreter's exit: each non-daemon thread finishes (executors' too)
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         stream.flush()
     os._exit(code)
 

@@ -1,6 +1,7 @@
 """Shared fixtures: a local Ray cluster with logical GPUs and named pools, one per test module; the
 tiny model and data; and the `rlx train` runs whose results several modules assert on (each run once
 per session: every e2e start-up saved is half a minute of the suite)."""
+import faulthandler
 import os
 import subprocess
 import sys
@@ -8,6 +9,31 @@ import sys
 import pytest
 
 from rlcore.placement import ResourcePools, start_ray
+
+_SESSION = pytest.StashKey()
+
+
+def pytest_sessionfinish(session):
+    session.config.stash[_SESSION] = session
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """End the test process as ``rlx`` ends its own (launch/cli.py: ``exit_without_teardown``): once
+    the results are written, the threads are joined and the exit handlers run (Ray's shutdown among
+    them), then the process exits with pytest's status, skipping the interpreter's teardown of every
+    module. That teardown comes after dozens of Ray sessions were started and shut down in this one
+    process; on 2026-12-05 a fresh-clone run ended in SIGSEGV there, after "689 passed" was printed
+    (exit status 139 for a green suite; the next run of the same tree exited 0). A fault in the exit
+    handlers themselves still prints its traceback: faulthandler, which pytest's own plugin has just
+    turned off, is on again for them."""
+    session = config.stash.get(_SESSION, None)
+    if session is None:  # no session ran (--version, a usage error): the normal exit
+        return
+    from launch.cli import exit_without_teardown
+
+    faulthandler.enable(file=sys.__stderr__, all_threads=True)
+    exit_without_teardown(int(session.exitstatus))
 
 
 @pytest.fixture(scope="module")
