@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import threading
+from typing import NoReturn
 
 from rlcore.checkpoint import CheckpointError
 from rlcore.data import DataError
@@ -232,7 +233,7 @@ def entry() -> int:
     exit_without_teardown(main())
 
 
-def exit_without_teardown(code: int) -> None:
+def exit_without_teardown(code: int) -> NoReturn:
     """End the process with ``code`` as the interpreter's exit would, less its teardown of every module
     and object (the test suite's process ends this way too: tests/conftest.py)."""
     threading._shutdown()  # as the interpreter's exit: each non-daemon thread finishes (executors' too)
