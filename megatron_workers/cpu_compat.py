@@ -168,9 +168,10 @@ def apply_cpu_compat() -> None:
         tensor_cuda = torch.Tensor.cuda
         torch.Tensor.cuda = lambda tensor, *args, **kwargs: tensor
         try:
-            return setup_embeddings(self)
+            setup_embeddings(self)
         finally:
             torch.Tensor.cuda = tensor_cuda
+        embedding_and_head_into_main_grad(self)
 
     LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_on_cpu
 
@@ -226,7 +227,8 @@ class EmbeddingIntoMainGrad(torch.autograd.Function):
     accumulation fusion: the dense backward's per-row sums (each row's gradients added in token
     order onto zero) are formed for the micro-batch's distinct tokens only, then added once each,
     the same arithmetic as the dense gradient added whole. The weight's own gradient is megatron's
-    placeholder (``torch.empty``, ``grad_added_to_main_grad`` set), so DDP's hook adds nothing."""
+    placeholder (``torch.empty``, ``grad_added_to_main_grad`` set), or none where the stage's output
+    layer gives it (embedding_and_head_into_main_grad), so DDP's hook adds nothing."""
 
     @staticmethod
     def forward(ctx, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -243,14 +245,36 @@ class EmbeddingIntoMainGrad(torch.autograd.Function):
         sums = grad.new_zeros((rows.numel(), grad.shape[1])).index_add_(0, position, grad)
         weight.main_grad.index_add_(0, rows, sums.to(weight.main_grad.dtype))
         weight.grad_added_to_main_grad = True
+        if getattr(weight, "head_gives_placeholder", False):
+            # The output layer's placeholder reaches the weight's accumulator, so DDP's hook still runs
+            # (megatron's overlapped reduce counts on it); a second one would be summed (113 MB).
+            return None, None
         return None, torch.empty(weight.main_grad.shape, dtype=grad.dtype, device=grad.device)
+
+
+def embedding_and_head_into_main_grad(model) -> None:
+    """Where one stage uses the tied embedding as its output layer too (PP=1), megatron marks the weight
+    ``zero_out_wgrad`` (language_module.py:201): the output layer's placeholder gradient is then
+    ``torch.zeros`` of the weight's shape, autograd sums it with the embedding's dense gradient, and
+    DDP's hook adds that sum into main_grad: on the CPU three fresh 113 MB buffers per micro-batch
+    for SmolLM2. With gradient accumulation fusion both uses add into main_grad themselves instead
+    (the output layer its weight gradient, EmbeddingIntoMainGrad its rows, in that order, as the hook
+    did), the output layer's placeholder is left unwritten (``torch.empty``) and the embedding hands
+    autograd none (``head_gives_placeholder``), so the hook adds nothing. The same sums in the same
+    order: equal to the bit (tests/test_megatron_cpu_compat.py)."""
+    if not getattr(model, "share_embeddings_and_output_weights", False):
+        return
+    weight = model.shared_embedding_or_output_weight()
+    if getattr(weight, "zero_out_wgrad", False) and model.config.gradient_accumulation_fusion:
+        weight.zero_out_wgrad = False
+        weight.head_gives_placeholder = True
 
 
 def embedding_into_main_grad(input, weight, *args, **kwargs):
     """``F.embedding`` as megatron's VocabParallelEmbedding calls it, through EmbeddingIntoMainGrad
-    when the weight trains under megatron's DDP with gradient accumulation fusion. Not for a weight that
-    a stage also uses as its output layer (PP=1 with tied embeddings: megatron marks it
-    ``zero_out_wgrad`` and adds the whole summed gradient in the DDP hook), nor with other options."""
+    when the weight trains under megatron's DDP with gradient accumulation fusion. Not for a weight
+    megatron marks ``zero_out_wgrad`` (a tied output layer on the same stage that does not add into
+    main_grad itself: embedding_and_head_into_main_grad), nor with other options."""
     if (args or kwargs or not torch.is_grad_enabled() or not weight.requires_grad
             or getattr(weight, "main_grad", None) is None or not hasattr(weight, "grad_added_to_main_grad")
             or getattr(weight, "zero_out_wgrad", False)):

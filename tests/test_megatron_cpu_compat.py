@@ -177,3 +177,70 @@ def test_megatron_accumulates_weight_gradients_into_main_grad_on_cpu():
     result = subprocess.run([sys.executable, "-c", FUSED_WGRAD], env=env, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+# A GPTModel whose one stage holds both the tied embedding and the output layer (PP=1): megatron marks
+# the weight zero_out_wgrad and sums a zero-filled placeholder, the embedding's dense gradient and the
+# DDP hook's add; the cpu layer has both uses add into main_grad themselves. Every parameter's main
+# gradient after two micro-batches is the same to the bit either way.
+TIED_STAGE = textwrap.dedent("""
+    import os
+    import torch
+    import torch.distributed as dist
+    from megatron_workers.cpu_compat import apply_cpu_compat
+
+    apply_cpu_compat()
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+
+    def main_grads(megatrons_own_path: bool):
+        torch.manual_seed(0)
+        config = TransformerConfig(
+            num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
+            gradient_accumulation_fusion=True, masked_softmax_fusion=False, bias_activation_fusion=False,
+            bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+            pipeline_dtype=torch.float32)
+        model = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=1000,
+                         max_sequence_length=64, share_embeddings_and_output_weights=True)
+        weight = model.shared_embedding_or_output_weight()
+        assert weight.head_gives_placeholder and not weight.zero_out_wgrad, "the tied weight was not re-marked"
+        if megatrons_own_path:
+            weight.zero_out_wgrad, weight.head_gives_placeholder = True, False
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+        ddp.zero_grad_buffer()
+        g = torch.Generator().manual_seed(1)
+        for _ in range(2):  # two micro-batches, tokens repeated within each
+            ids = torch.randint(0, 60, (2, 48), generator=g)
+            logits = ddp(ids, torch.arange(48).expand(2, 48), None)
+            (logits * torch.randn(logits.shape, generator=g)).sum().backward()
+        assert weight.grad is None, "DDP's hook did not run for the tied weight"
+        assert torch.count_nonzero(weight.main_grad[60:]) > 0, "the output layer's gradient is missing"
+        return {name: p.main_grad.clone() for name, p in model.named_parameters()}
+
+    fused, dense = main_grads(False), main_grads(True)
+    assert fused.keys() == dense.keys()
+    for name in fused:
+        assert torch.equal(fused[name], dense[name]), (name, (fused[name] - dense[name]).abs().max())
+    print("ok")
+""")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the layer is a no-op where CUDA is available")
+def test_tied_embedding_and_head_on_one_stage_add_into_main_grad_as_megatron_sums_them():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
+               OMP_NUM_THREADS="1", PORT=str(port))
+    result = subprocess.run([sys.executable, "-c", TIED_STAGE], env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
