@@ -83,11 +83,22 @@ CHECKS = textwrap.dedent("""
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the layer is a no-op where CUDA is available")
-def test_cpu_compat_is_targeted():
+def run_script(script: str) -> None:
+    """Runs ``script`` in a fresh one-thread interpreter (the repository on its path, a free port in
+    PORT for a one-process gloo world) and expects it to print exactly "ok"."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
-               OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, "-c", CHECKS], env=env, capture_output=True, text=True, timeout=120)
+               OMP_NUM_THREADS="1", PORT=str(port))
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def test_cpu_compat_is_targeted():
+    run_script(CHECKS)
 
 
 # megatron's own branch for gradient accumulation fusion (tensor_parallel/layers.py) with the cpu
@@ -167,16 +178,7 @@ FUSED_WGRAD = textwrap.dedent("""
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the layer is a no-op where CUDA is available")
 def test_megatron_accumulates_weight_gradients_into_main_grad_on_cpu():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
-               OMP_NUM_THREADS="1", PORT=str(port))
-    result = subprocess.run([sys.executable, "-c", FUSED_WGRAD], env=env, capture_output=True, text=True,
-                            timeout=120)
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+    run_script(FUSED_WGRAD)
 
 
 # A GPTModel whose one stage holds both the tied embedding and the output layer (PP=1): megatron marks
@@ -234,13 +236,4 @@ TIED_STAGE = textwrap.dedent("""
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the layer is a no-op where CUDA is available")
 def test_tied_embedding_and_head_on_one_stage_add_into_main_grad_as_megatron_sums_them():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
-               OMP_NUM_THREADS="1", PORT=str(port))
-    result = subprocess.run([sys.executable, "-c", TIED_STAGE], env=env, capture_output=True, text=True,
-                            timeout=120)
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+    run_script(TIED_STAGE)
