@@ -48,16 +48,25 @@ if os.environ.get(PLAIN_GEMM_ENV) == "1":
     use_plain_cpu_gemm()
 
 
-class _DropRotaryReloadWarning(logging.Filter):
-    """vLLM's in-place reload warns "RotaryEmbedding: Failed to load weights" on every sync: the rotary
-    layer has a cos/sin cache but no checkpoint weights, and keeps its own cache. Any other layer's
-    failure still gets through."""
+class _DropExpectedReloadWarnings(logging.Filter):
+    """vLLM's layerwise reload warns "<layer class>: Failed to load weights" on every sync for a layer
+    that got no checkpoint tensor: the rotary layer (a cos/sin cache of its own, no weights) and,
+    in a model with tied embeddings, the lm_head (its weight is embed_tokens', loaded under that
+    name; ``_rlx_after_reload`` re-dispatches its GEMM). Those two are expected and dropped; any
+    other layer's failure still gets through (the plan check has already refused a sync whose plan
+    misses a weight the model loads)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = {"RotaryEmbedding"}
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
+        layer, _, rest = record.getMessage().partition(": ")
+        return not (rest == "Failed to load weights" and layer in self.layers)
 
 
-logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_DropRotaryReloadWarning())
+_RELOAD_WARNINGS = _DropExpectedReloadWarnings()
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_RELOAD_WARNINGS)
 
 
 class WeightSyncWorkerExtension:
@@ -113,6 +122,7 @@ class WeightSyncWorkerExtension:
         if tied:
             # HF checkpoints of tied models have none; if sent it loads into the shared Parameter.
             expected.pop("lm_head.weight", None)
+            _RELOAD_WARNINGS.layers.add("ParallelLMHead")
         extra = sorted(set(sent) - set(expected) - ({"lm_head.weight"} if tied else set()))
         missing = sorted(set(expected) - set(sent))
         if missing or extra:

@@ -149,6 +149,25 @@ def test_plan_must_cover_the_model(setups):
         pool.init_weight_sync([_link(0, 2)], plan)
 
 
+def test_only_the_expected_reload_warnings_are_dropped():
+    """vLLM's reload warns "<layer>: Failed to load weights" for each layer that got no tensor: the
+    rotary layer always (its cache is its own), a tied lm_head once the plan check has seen the tie
+    (its weight is embed_tokens', sent under that name), any other layer never dropped."""
+    import logging
+
+    from rollout.worker_extension import _DropExpectedReloadWarnings
+
+    dropped = _DropExpectedReloadWarnings()
+
+    def shown(layer: str, message: str = "%s: Failed to load weights") -> bool:
+        return dropped.filter(logging.LogRecord("vllm", logging.WARNING, __file__, 1, message, (layer,), None))
+
+    assert not shown("RotaryEmbedding") and shown("ParallelLMHead") and shown("QKVParallelLinear")
+    dropped.layers.add("ParallelLMHead")  # what the plan check does for a tied model
+    assert not shown("ParallelLMHead") and shown("QKVParallelLinear") and shown("VocabParallelEmbedding")
+    assert shown("RotaryEmbedding", "%s: Delayed processing")
+
+
 def _link(stage: int, receivers: int) -> StageLink:
     """A broadcast link whose writer (the stage's sender) is this test process."""
     return StageLink(stage, "127.0.0.1", _free_port(), writers=1, receivers=receivers, transport="broadcast")
