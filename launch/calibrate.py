@@ -15,8 +15,14 @@ measure:
   per layer per micro-batch, DP's gradient all-reduce);
 - ``adam_s_per_param``: torch's fused AdamW step per fp32 parameter on one thread, the kernel the
   workers' optimizer runs on the cpu profile (each rank steps its own stage's parameters, all of them
-  under DP).
-The cost model reads nothing else; the constants stored in ``launch/plan.py`` came from this command.
+  under DP);
+- ``matmul_thread_gain`` and ``softmax_thread_gain``: what each thread past the first adds to a
+  layer's matmuls at the micro-batch's shape and to the softmax pass above, as a fraction of one
+  thread's rate, measured on all the machine's cores in one process after the two ranks have exited
+  (a job with fewer ranks than cores gives each rank several math threads: ``launch/compose.py``
+  ``job_threads``).
+The cost model reads nothing else; the constants stored in ``launch/plan.py`` came from this command,
+but the two thread gains (its micro-benchmarks read more than a whole update gains: the comment there).
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ import os
 import socket
 import tempfile
 import time
+from typing import Optional
 
 
 def _best(fn, repeats: int) -> float:
@@ -35,6 +42,12 @@ def _best(fn, repeats: int) -> float:
         fn()
         best = min(best, time.perf_counter() - t)
     return best
+
+
+def _softmax_pass(logits):
+    """A log-softmax and its entropy over fp32 rows: an elementwise pass bound by memory."""
+    logp = logits.log_softmax(-1)
+    return (logp.exp() * logp).sum(-1)
 
 
 def _rank(rank: int, port: int, model_dirs: list[str], tokens: int, hidden: int, ffn: int, queue) -> None:
@@ -64,13 +77,8 @@ def _rank(rank: int, port: int, model_dirs: list[str], tokens: int, hidden: int,
     # The LM head's log-softmax and entropy over the vocabulary, and the unfused attention softmax:
     # elementwise passes over fp32 rows, bound by memory, not by the matmul rate.
     logits = torch.randn(tokens, 8192)
-
-    def softmax_pass():
-        logp = torch.log_softmax(logits, -1)
-        return (logp.exp() * logp).sum(-1)
-
-    softmax_pass()
-    out["softmax_s_per_element"] = _best(softmax_pass, 5) / logits.numel()
+    _softmax_pass(logits)
+    out["softmax_s_per_element"] = _best(lambda: _softmax_pass(logits), 5) / logits.numel()
 
     x = torch.randn(tokens, hidden)
     small = torch.zeros(8)
@@ -125,8 +133,43 @@ def _rank(rank: int, port: int, model_dirs: list[str], tokens: int, hidden: int,
     os._exit(0)  # skip interpreter teardown: gloo and megatron threads can hold it
 
 
-def calibrate(tokens: int, hidden: int, ffn: int) -> dict[str, float]:
-    """The constants, measured now (about 20 s on a 2-core machine)."""
+def _thread_gains(tokens: int, hidden: int, ffn: int, threads: int) -> dict[str, float]:
+    """(one thread's time / ``threads`` threads' - 1) / (``threads`` - 1) for a layer's matmuls and for
+    the softmax pass: 1 where each thread adds a whole core's rate, 0 where it adds nothing. The
+    matmuls are a layer's linear layers at ``tokens`` positions, forward and both backward products,
+    as a transformer layer runs them: at a micro-batch's few hundred rows a second thread gains less
+    than on one large square product."""
+    import torch
+
+    if threads < 2:  # one core: nothing to measure, and no layout runs a second thread here
+        return {"matmul_thread_gain": 0.0, "softmax_thread_gain": 0.0}
+    products = []
+    for fan_in, fan_out in ((hidden, 3 * hidden), (hidden, hidden), (hidden, 2 * ffn), (ffn, hidden)):
+        x, w, dy = torch.randn(tokens, fan_in), torch.randn(fan_out, fan_in), torch.randn(tokens, fan_out)
+        products += [(x, w.t()), (dy, w), (dy.t(), x)]  # forward, input gradient, weight gradient
+
+    def layer():
+        for a, b in products:
+            torch.mm(a, b)
+
+    logits = torch.randn(tokens, 8192)
+    before = torch.get_num_threads()
+    seconds = {}
+    try:
+        for n in (1, threads):
+            torch.set_num_threads(n)
+            layer(), _softmax_pass(logits)
+            seconds[n] = (_best(layer, 9), _best(lambda: _softmax_pass(logits), 9))
+    finally:
+        torch.set_num_threads(before)
+    # Clipped to [0, 1]: a thread adds at most a core; beyond that the two readings are noise or cache.
+    gain = [min(1.0, max(0.0, (one / many - 1) / (threads - 1))) for one, many in zip(seconds[1], seconds[threads])]
+    return {"matmul_thread_gain": gain[0], "softmax_thread_gain": gain[1]}
+
+
+def calibrate(tokens: int, hidden: int, ffn: int, cores: Optional[int] = None) -> dict[str, float]:
+    """The constants, measured now (about 20 s on a 2-core machine); ``cores``: the math threads of
+    one process on all the machine's cores (default: os.cpu_count())."""
     from launch.assets import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp, socket.socket() as s:
@@ -145,4 +188,4 @@ def calibrate(tokens: int, hidden: int, ffn: int) -> dict[str, float]:
             p.join(timeout=60)
             if p.exitcode != 0:
                 raise RuntimeError(f"calibration rank exited with {p.exitcode}")
-    return out
+    return {**out, **_thread_gains(tokens, hidden, ffn, cores or os.cpu_count() or 1)}

@@ -5,7 +5,7 @@
     rlx train    JOB.yaml [key.sub=value ...]   validate, then train
     rlx plan     JOB.yaml [key.sub=value ...]   memory per GPU of every role; fails when one cannot fit
     rlx plan     JOB.yaml --suggest --gpus-per-node G --nodes N   valid layouts, ranked by a cost model
-    rlx plan     CPU_JOB.yaml --suggest [--calibrate]   the actor's layouts on the job's pools, ranked
+    rlx plan     CPU_JOB.yaml --suggest [--calibrate] [--actor-pools 1,2]   the actor's layouts on its pool(s), ranked
     rlx submit   JOB.yaml --nodes N [key.sub=value ...]   sbatch a Ray cluster on N nodes that trains JOB
     rlx export   CHECKPOINT --to hf OUT [--role actor|critic]   a checkpoint as a HuggingFace model folder
     rlx train|validate|show|plan|submit JOB.yaml --verl verl.key=value ...   verl main_ppo overrides instead
@@ -71,22 +71,36 @@ def _check_datasets(cfg) -> None:
     PromptLoader(train, cfg.data.batch_size)  # refuses a dataset smaller than one batch
 
 
+def _pool_sizes(text: str) -> list[int]:
+    """``--actor-pools 1,2``: pool sizes, each a whole number of logical GPUs >= 1."""
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected sizes of the actor's pool as whole numbers >= 1, e.g. 1,2; got {text!r}")
+    return sizes
+
+
 def _plan(args, cfg, layout: JobLayout) -> int:
     from launch import plan
 
-    for flag, given in (("--calibrate", args.calibrate), ("--memory-gb", args.memory_gb is not None)):
+    for flag, given in (("--calibrate", args.calibrate), ("--memory-gb", args.memory_gb is not None),
+                        ("--actor-pools", args.actor_pools is not None)):
         if given and not (args.suggest and layout.device == "cpu"):
             raise ConfigError(f"rlx plan {flag} belongs to the cpu profile's cost model: use it with --suggest on a "
                               "cpu-profile spec")
-    if args.suggest and layout.device == "cpu":  # the job's pools are fixed: rank the actor's layouts on them
+    if args.suggest and layout.device == "cpu":  # the actor's layouts on its pool (or --actor-pools sizes)
         constants = None
         if args.calibrate:
             from launch.calibrate import calibrate
 
             m, _ = plan.read_model(cfg)
-            constants = calibrate(cfg.actor.micro_batch_size * (cfg.data.max_prompt_length +
-                                                                cfg.rollout.max_response_length), m.hidden, m.ffn)
-        found = plan.suggest_cpu(cfg, layout, args.top, constants, memory_gb=args.memory_gb)
+            shape = plan.MicroBatchShape.of(cfg.actor.micro_batch_size, cfg.data.max_prompt_length,
+                                            cfg.rollout.max_response_length, cfg.rollout.n, cfg.actor.shared_prompt)
+            constants = calibrate(shape.tokens, m.hidden, m.ffn, cores=cfg.resources.num_cpus)
+        found = plan.suggest_cpu(cfg, layout, args.top, constants, memory_gb=args.memory_gb,
+                                 pool_sizes=args.actor_pools)
         print(plan.format_cpu_suggestions(found, cfg))
         return 0 if found.best else 2
     if args.suggest:
@@ -134,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
                            "host memory together")
     plan.add_argument("--calibrate", action="store_true",
                       help="with --suggest on the cpu profile: measure the cost model's constants on this machine")
+    plan.add_argument("--actor-pools", type=_pool_sizes, metavar="N[,N...]",
+                      help="with --suggest on the cpu profile: rank the actor's layouts on pools of these sizes "
+                           "(logical GPUs; fewer ranks get more math threads each) instead of the spec's pool only")
     from launch.slurm import add_submit_arguments
 
     add_submit_arguments(submit)

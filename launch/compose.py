@@ -70,13 +70,12 @@ def started_reference(layout: JobLayout, started: dict[str, Any]):
     return started["reference"]
 
 
-def job_threads(cfg: JobConfig, layout: JobLayout) -> dict[str, int]:
-    """Each role's math threads per process: a node's cores (resources.num_cpus, else this machine's)
-    shared by the processes that compute at the same time on a node. The synchronous loop
-    (trainer.off_policy_steps 0) runs one phase at a time, so a role's ranks share the cores among
-    themselves only (the engines generate while the Megatron ranks wait, and the reverse); with
-    sampling ahead, the engines and the Megatron ranks compute at once and share them all."""
-    cores = cfg.resources.num_cpus or os.cpu_count() or 1
+def concurrent_processes(cfg: JobConfig, layout: JobLayout) -> dict[str, int]:
+    """Per role (each with processes of its own), how many compute processes share a node's cores
+    while that role computes. The synchronous loop (trainer.off_policy_steps 0) runs one phase at a
+    time, so a role's ranks share the cores among themselves only (the engines generate while the
+    Megatron ranks wait, and the reverse); with sampling ahead, the engines and the Megatron ranks
+    compute at once and share them all."""
     nodes = max(1, cfg.resources.nodes)
     ranks = {name: r.tp * r.pp * r.dp for name, r in (("actor", layout.actor), ("reference", layout.reference),
                                                        ("critic", layout.critic)) if r is not None and r.host is None}
@@ -86,9 +85,15 @@ def job_threads(cfg: JobConfig, layout: JobLayout) -> dict[str, int]:
     if layout.judge is not None:
         ranks["judge"] = layout.judge.engines * layout.judge.tp
     if cfg.trainer.off_policy_steps > 0:
-        threads = {name: math_threads(cores, -(-sum(ranks.values()) // nodes)) for name in ranks}
-    else:
-        threads = {name: math_threads(cores, -(-n // nodes)) for name, n in ranks.items()}
+        return {name: -(-sum(ranks.values()) // nodes) for name in ranks}
+    return {name: -(-n // nodes) for name, n in ranks.items()}
+
+
+def job_threads(cfg: JobConfig, layout: JobLayout) -> dict[str, int]:
+    """Each role's math threads per process: a node's cores (resources.num_cpus, else this machine's)
+    shared by the processes that compute at the same time on that node (``concurrent_processes``)."""
+    cores = cfg.resources.num_cpus or os.cpu_count() or 1
+    threads = {name: math_threads(cores, n) for name, n in concurrent_processes(cfg, layout).items()}
     if layout.reference is not None and layout.reference.host is not None:  # computes in its host's ranks
         threads["reference"] = threads[layout.reference.host]
     return threads

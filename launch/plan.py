@@ -28,8 +28,8 @@ from typing import Optional
 from rlcore.config import on_policy_update, resolved_critic
 from rlcore.hf_config import HFModelSpec, parse_hf_config, read_hf_config
 from rlcore.job import ConfigError
-from rlcore.layout import RoleLayout, check_micro_batches, check_model_split, stage_layers
-from rlcore.validate import REWARD_MODEL_SECTIONS, JobLayout
+from rlcore.layout import RoleLayout, stage_layers
+from rlcore.validate import REWARD_MODEL_SECTIONS, JobLayout, validate
 
 GB = 1e9
 BYTES = {"bfloat16": 2, "float32": 4}
@@ -625,12 +625,21 @@ CPU_CALIBRATION = {
     # Xeon (1.0-1.2 against 6.3-6.6 ns per parameter, 2026-12-04).
     "adam_s_per_param": 3.0e-10,
     "softmax_s_per_element": 3.3e-9,  # log-softmax + entropy over fp32 rows, per element, one thread
+    # What each math thread past the first adds, as a fraction of one thread's rate (1 = linear). Not
+    # from --calibrate's micro-benchmarks, which read 0.66-0.91 (a layer's matmuls) and 0.76-1.0 (the
+    # softmax pass) in three runs on a 2-core AMD EPYC: inside a whole update they gain less.
+    # torch.profiler's op table of one rank's SmolLM2 update at one and at two threads, the same kept
+    # batches (that box, 2026-12-06): aten::mm 5.41 -> 3.10 s (1.75x); aten::_softmax, its backward
+    # and exp_ 1.5-1.9x.
+    "matmul_thread_gain": 0.75,
+    "softmax_thread_gain": 0.6,
 }
 
 
 @dataclass
 class CpuCandidate:
-    actor: RoleLayout
+    actor: RoleLayout  # its ``gpus``: the size of the actor's pool (resources.pools.<actor.pool>)
+    threads: int  # each actor rank's math threads (launch/compose.py job_threads)
     micro_batch_size: int
     microbatches: int  # per DP rank per optimizer step
     logprob_s: float  # the forward passes (old log-probs, the reference's when it takes the actor's layout)
@@ -641,6 +650,13 @@ class CpuCandidate:
     def train_s(self) -> float:
         return self.logprob_s + self.update_s
 
+    def overrides(self, pool_name: str) -> list[str]:
+        """The dotted overrides that give a job this layout."""
+        a = self.actor
+        split = "null" if a.pp_layers is None else f"[{','.join(map(str, a.pp_layers))}]"
+        return [f"resources.pools.{pool_name}={a.gpus}", f"actor.tp={a.tp}", f"actor.pp={a.pp}",
+                f"actor.pp_layers={split}", f"actor.micro_batch_size={self.micro_batch_size}"]
+
 
 @dataclass
 class CpuSuggestions:
@@ -648,7 +664,7 @@ class CpuSuggestions:
     valid: int
     spec_rank: Optional[int]
     spec: Optional[CpuCandidate]
-    threads: int
+    pool_sizes: list[int]  # the actor pool sizes tried
     cores: int
     constants: dict
     measured: bool  # constants measured in this run (--calibrate), else the stored CPU_CALIBRATION
@@ -702,9 +718,18 @@ class MicroBatchShape:
         return cls(groups, prompt_len + -(-mbs // groups) * response_len, mbs * response_len, masked=True)
 
 
+def _thread_speedup(share: float, gain: float) -> float:
+    """How many times one thread's rate a rank computes at with ``share`` cores' worth of threads:
+    under one core (more ranks than cores) its time slice; above, each thread past the first adds
+    ``gain`` of one thread's rate (a calibrated constant: a second thread does not quite double a
+    matmul of a micro-batch's shape)."""
+    return share if share <= 1 else 1 + gain * (share - 1)
+
+
 def _cpu_pass_seconds(m: ModelDims, lay: RoleLayout, shape: MicroBatchShape, microbatches: int, share: float,
                       c: dict, train: bool) -> float:
-    """One forward (``train``: forward + backward) pass of ``microbatches`` micro-batches per DP rank."""
+    """One forward (``train``: forward + backward) pass of ``microbatches`` micro-batches per DP rank,
+    each rank computing with ``share`` cores' worth of math threads."""
     tokens, rows, row_len = shape.tokens, shape.rows, shape.row_len
     # The local attention computes the whole [row_len, row_len] score matrix of a row (masked).
     layer_flops = (2 * m.layer_params(1) * tokens + 4 * rows * row_len * row_len * m.heads * m.head_dim) / lay.tp
@@ -720,13 +745,16 @@ def _cpu_pass_seconds(m: ModelDims, lay: RoleLayout, shape: MicroBatchShape, mic
         ar = allreduces * (c["allreduce_s"] + tokens * m.hidden * 4 * 2 * (lay.tp - 1) / lay.tp / c["allreduce_bytes_s"])
     overhead, per_layer = (c["microbatch_s"], c["layer_s"]) if train else (c["microbatch_forward_s"],
                                                                           c["layer_forward_s"])
-    rate = c["matmul_flops"] * share
+    rate = c["matmul_flops"] * _thread_speedup(share, c["matmul_thread_gain"])
+    softmax_speedup = _thread_speedup(share, c["softmax_thread_gain"])
     stage_s = []
     for s, n in enumerate(lay.stage_layers(m.layers)):
         last = s == lay.pp - 1
         flops = n * layer_flops + (output_flops if last else 0.0)
         elementwise = n * layer_softmax_s + (output_softmax_s if last else 0.0)
-        stage_s.append(factor * (flops / rate + elementwise / share) + n * (ar + per_layer) + overhead)
+        # Launches, autograd and Python run at one thread's pace, or the rank's time slice of one.
+        fixed = (n * (ar + per_layer) + overhead) / min(1.0, share)
+        stage_s.append(factor * (flops / rate + elementwise / softmax_speedup) + fixed)
     return _pipeline_seconds(stage_s, microbatches)
 
 
@@ -740,111 +768,112 @@ def _cpu_optimizer_seconds(m: ModelDims, lay: RoleLayout, c: dict) -> float:
 
 
 def suggest_cpu(cfg, layout: JobLayout, top: int = 10, constants: Optional[dict] = None,
-                cores: Optional[int] = None, memory_gb: Optional[float] = None) -> CpuSuggestions:
-    """Every actor layout on the spec's actor pool (tp, pp, the stage splits, micro_batch_size) that
-    ``rlx validate`` accepts, ranked by the cpu cost model's seconds of the actor's passes per step;
-    with ``memory_gb``, only those whose actor ranks hold at most that much host memory together (the
-    pools share the host's memory: a DP replica holds the whole model, its gradients and Adam's state)."""
-    import os
-
-    from rlcore.placement import math_threads
+                cores: Optional[int] = None, memory_gb: Optional[float] = None,
+                pool_sizes: Optional[list[int]] = None) -> CpuSuggestions:
+    """Every actor layout (tp, pp, the stage splits, micro_batch_size) that ``rlx validate`` accepts on
+    the spec's actor pool, or on pools of each of ``pool_sizes`` logical GPUs, ranked by the cpu cost
+    model's seconds of the actor's passes per step; with ``memory_gb``, only those whose actor ranks
+    hold at most that much host memory together (the pools share the host's memory: a DP replica
+    holds the whole model, its gradients and Adam's state). A smaller pool has fewer ranks, each with
+    more math threads."""
+    from launch.compose import concurrent_processes, job_threads
 
     c = {**CPU_CALIBRATION, **(constants or {})}
-    m, _ = read_model(cfg)
-    hf = read_hf_config(cfg.model.path, cfg.model.hf_config)
+    m, source = read_model(cfg)
     cores = cores or cfg.resources.num_cpus or os.cpu_count() or 1
     seq_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
     step_sequences, optimizer_steps = _updates(cfg, cfg.actor)
     batch_sequences = cfg.data.batch_size * cfg.rollout.n
-    pool = layout.actor.gpus
-    # The actor's ranks' threads, as launch/compose.py's job_threads gives them: the synchronous loop
-    # runs one phase at a time, so the actor's ranks (one per GPU of its pool) share the cores alone;
-    # with sampling ahead, every role's ranks and the engines share them.
-    processes = pool
-    if cfg.trainer.off_policy_steps > 0:
-        roles = [r for r in (layout.actor, layout.reference, getattr(layout, "critic", None)) if r is not None]
-        processes = sum(r.tp * r.pp * r.dp for r in roles) + layout.rollout.engines * layout.rollout.tp
-    threads = math_threads(cores, processes)
-    # While the actor computes, its ranks hold the cores: each runs its threads, or its fraction of
-    # the cores when there are more ranks than cores.
-    share = min(threads, cores / pool)
+    pool_name = cfg.actor.pool
+    sizes = sorted(set(pool_sizes or [layout.actor.gpus]))
     reference_inherits = layout.reference is not None and cfg.reference.tp is None and cfg.reference.pp is None
     on_policy = on_policy_update(cfg) or cfg.actor.use_rollout_logprobs
     found = []
-    for tp in [t for t in _valid_tps(m, pool) if not pool % t]:
-        for pp in [p for p in range(1, pool // tp + 1) if not (pool // tp) % p and p <= m.layers]:
-            for split in _stage_splits(m.layers, pp):
-                lay = RoleLayout(pool=layout.actor.pool, gpus=pool, tp=tp, pp=pp, dp=pool // (tp * pp),
-                                 pp_layers=split)
-                for mbs in [b for b in range(1, step_sequences + 1) if not step_sequences % b]:
-                    try:
-                        check_model_split(hf, tp, pp, 1, "actor", pp_layers=split)
-                        check_micro_batches("actor", lay, "sequences", step_sequences, "actor.micro_batch_size",
-                                            mbs, "actor.vpp")
-                    except ConfigError:
-                        continue
-                    microbatches = step_sequences // (lay.dp * mbs)
-                    shape = MicroBatchShape.of(mbs, cfg.data.max_prompt_length, cfg.rollout.max_response_length,
-                                               cfg.rollout.n, cfg.actor.shared_prompt)
-                    update = optimizer_steps * (_cpu_pass_seconds(m, lay, shape, microbatches, share, c, True)
-                                                + _cpu_optimizer_seconds(m, lay, c))
-                    # The on-policy update needs no separate old-log-prob pass; the reference's pass stays.
-                    forward_passes = (0 if on_policy else 1) + reference_inherits
-                    batch_microbatches = max(1, batch_sequences // (lay.dp * mbs))
-                    logprob = forward_passes * _cpu_pass_seconds(m, lay, shape, batch_microbatches, share, c, False)
-                    trial_cfg = replace(cfg, actor=replace(cfg.actor, micro_batch_size=mbs))
-                    actor_est = estimate(trial_cfg, replace(layout, actor=lay), (m, hf.source)).roles[0]
-                    memory = actor_est.total * pool
-                    if memory_gb is not None and memory > memory_gb * GB:
-                        continue
-                    found.append(CpuCandidate(lay, mbs, microbatches, logprob, update, memory))
+    for size in sizes:
+        resources = replace(cfg.resources, num_cpus=cores, pools={**cfg.resources.pools, pool_name: size})
+        for tp in [t for t in _valid_tps(m, size) if not size % t]:
+            for pp in [p for p in range(1, size // tp + 1) if not (size // tp) % p and p <= m.layers]:
+                for split in _stage_splits(m.layers, pp):
+                    for mbs in [b for b in range(1, step_sequences + 1) if not step_sequences % b]:
+                        trial = replace(cfg, resources=resources, actor=replace(cfg.actor, tp=tp, pp=pp,
+                                                                                  pp_layers=split,
+                                                                                  micro_batch_size=mbs))
+                        try:
+                            trial_layout = validate(trial)
+                        except ConfigError:
+                            continue
+                        lay = trial_layout.actor
+                        # Its ranks' threads as the job would start them; each rank computes with its
+                        # threads, or with its fraction of the cores where more processes compute at
+                        # once than there are cores (the engines beside the actor when sampling ahead).
+                        threads = job_threads(trial, trial_layout)["actor"]
+                        share = min(threads, cores / concurrent_processes(trial, trial_layout)["actor"])
+                        microbatches = step_sequences // (lay.dp * mbs)
+                        shape = MicroBatchShape.of(mbs, cfg.data.max_prompt_length, cfg.rollout.max_response_length,
+                                                   cfg.rollout.n, cfg.actor.shared_prompt)
+                        update = optimizer_steps * (_cpu_pass_seconds(m, lay, shape, microbatches, share, c, True)
+                                                    + _cpu_optimizer_seconds(m, lay, c))
+                        # The on-policy update needs no separate old-log-prob pass; the reference's stays.
+                        forward_passes = (0 if on_policy else 1) + reference_inherits
+                        batch_microbatches = max(1, batch_sequences // (lay.dp * mbs))
+                        logprob = forward_passes * _cpu_pass_seconds(m, lay, shape, batch_microbatches, share, c,
+                                                                     False)
+                        memory = estimate(trial, trial_layout, (m, source)).roles[0].total * size
+                        if memory_gb is not None and memory > memory_gb * GB:
+                            continue
+                        found.append(CpuCandidate(lay, threads, mbs, microbatches, logprob, update, memory))
     found.sort(key=lambda x: x.train_s)
     a = layout.actor
-    spec_key = (a.tp, a.pp, a.pp_layers, cfg.actor.micro_batch_size)
+    spec_key = (a.gpus, a.tp, a.pp, a.pp_layers, cfg.actor.micro_batch_size)
     rank = next((i for i, x in enumerate(found, 1)
-                 if (x.actor.tp, x.actor.pp, x.actor.pp_layers, x.micro_batch_size) == spec_key), None)
-    return CpuSuggestions(found[:top], len(found), rank, found[rank - 1] if rank else None, threads, cores, c,
+                 if (x.actor.gpus, x.actor.tp, x.actor.pp, x.actor.pp_layers, x.micro_batch_size) == spec_key), None)
+    return CpuSuggestions(found[:top], len(found), rank, found[rank - 1] if rank else None, sizes, cores, c,
                           constants is not None, seq_len, m.layers, memory_gb)
 
 
 def format_cpu_suggestions(s: CpuSuggestions, cfg) -> str:
+    pool_name = cfg.actor.pool
+    sizes = " or ".join(map(str, s.pool_sizes))
     if not s.best:
-        return ("no actor layout on this pool divides the model and the batch"
+        return (f"no actor layout on {sizes} logical GPUs divides the model and the batch"
                 + ("" if s.memory_gb is None else f" and fits --memory-gb {s.memory_gb:g}"))
-    head = ("#", "tp", "pp", "dp", "layers per stage", "micro_batch_size", "micro-batches", "actor GB",
-            "log-prob s", "update s", "actor s")
+    head = ("#", "GPUs", "threads", "tp", "pp", "dp", "layers per stage", "micro_batch_size", "micro-batches",
+            "actor GB", "log-prob s", "update s", "actor s")
     rows = [head]
     for i, x in enumerate(s.best, 1):
         layers = "|".join(map(str, x.actor.stage_layers(s.layers))) if x.actor.pp > 1 else "-"
-        rows.append((i, x.actor.tp, x.actor.pp, x.actor.dp, layers + ("" if x.actor.pp_layers or x.actor.pp == 1
-                                                                         else " (even)"),
-                     x.micro_batch_size, x.microbatches, f"{x.memory / GB:.1f}", f"{x.logprob_s:.2f}", f"{x.update_s:.2f}", f"{x.train_s:.2f}"))
+        rows.append((i, x.actor.gpus, x.threads, x.actor.tp, x.actor.pp, x.actor.dp,
+                     layers + ("" if x.actor.pp_layers or x.actor.pp == 1 else " (even)"), x.micro_batch_size,
+                     x.microbatches, f"{x.memory / GB:.1f}", f"{x.logprob_s:.2f}", f"{x.update_s:.2f}",
+                     f"{x.train_s:.2f}"))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
     budget = "" if s.memory_gb is None else f" within {s.memory_gb:g} GB of host memory for the actor"
-    lines = [f"the {len(s.best)} best of {s.valid} actor layouts{budget} on pool {cfg.actor.pool!r} "
-             f"({cfg.resources.pools[cfg.actor.pool]} logical GPUs, {s.cores} cores, {s.threads} math thread(s) "
-             "per process):"]
+    lines = [f"the {len(s.best)} best of {s.valid} actor layouts{budget} on pool {pool_name!r} of {sizes} logical "
+             f"GPUs ({s.cores} cores; GPUs = resources.pools.{pool_name}, threads = each rank's math threads):"]
     lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     if s.spec_rank is not None:
         lines.append(f"the spec's own layout ranks #{s.spec_rank} of {s.valid} ({s.spec.train_s:.2f} s)")
     else:
         lines.append("the spec's own layout is not among them")
+    if s.spec_rank != 1:
+        lines.append("#1 as overrides: " + " ".join(s.best[0].overrides(pool_name)))
     k = s.constants
     lines += ["", f"""cpu cost model (the actor's seconds per step, to rank layouts; docs/cpu-profile.md compares it with
 measured steps):
   a pass = 1F1B over the stages: sum of the stage times + (micro-batches - 1) x the slowest stage's;
-  stage time per micro-batch = (3 with the backward, else 1) x FLOPs / (matmul rate x threads) + TP
-  all-reduces + megatron's per-micro-batch cost per stage and per layer; FLOPs = 2 x params x tokens per layer + attention
+  stage time per micro-batch = (3 with the backward, else 1) x FLOPs / (matmul rate x speedup) + TP
+  all-reduces + megatron's per-micro-batch cost per stage and per layer; speedup = 1 + gain x (threads - 1)
+  (each rank's threads as `rlx train` starts them), or, where more processes compute at once than there are
+  cores, the rank's share of a core, which also stretches the per-micro-batch and per-layer costs; FLOPs = 2 x params x tokens per layer + attention
   4 x rows x row length^2 x hidden, + the output layer on the last stage at the scored (response) positions only;
   rows of data.max_prompt_length + rollout.max_response_length = {s.seq_len} tokens, or with actor.shared_prompt one
   row per prompt in the micro-batch (the prompt once, then its responses); lengths are the maximum, padding to the
   longest is not known here; the on-policy update needs no separate log-prob pass;
   + softmax passes over the attention scores and the LM head's vocabulary at {k['softmax_s_per_element'] * 1e9:.1f} ns per element
-  constants: matmul {k['matmul_flops'] / 1e9:.0f} GFLOP/s per thread, {k['microbatch_s'] * 1e3:.1f} ms per
-  micro-batch and stage + {k['layer_s'] * 1e3:.2f} ms per layer ({k['microbatch_forward_s'] * 1e3:.1f} +
-  {k['layer_forward_s'] * 1e3:.2f} ms forward only), all-reduce {k['allreduce_s'] * 1e6:.0f} us +
-  {k['allreduce_bytes_s'] / 1e9:.1f} GB/s ({'measured now' if s.measured else
-  'stored: measured on the 2-core development machine; --calibrate measures them here'})
+  constants: matmul {k['matmul_flops'] / 1e9:.0f} GFLOP/s per thread, and {k['matmul_thread_gain']:.2f} of that per extra thread
+  (softmax {k['softmax_thread_gain']:.2f}); {k['microbatch_s'] * 1e3:.1f} ms per micro-batch and stage + {k['layer_s'] * 1e3:.2f} ms per layer
+  ({k['microbatch_forward_s'] * 1e3:.1f} + {k['layer_forward_s'] * 1e3:.2f} ms forward only); all-reduce {k['allreduce_s'] * 1e6:.0f} us + {k['allreduce_bytes_s'] / 1e9:.1f} GB/s
+  ({'measured now' if s.measured else 'stored: measured on the 2-core development machine; --calibrate measures them here'})
   + per optimizer step: DP's gradient all-reduce and Adam over the largest stage's parameters
   ({k['adam_s_per_param'] * 1e9:.1f} ns per parameter); the rollout and the weight sync are the same for
   every actor layout here and not counted; actor GB: `rlx plan`'s memory estimate of the worst stage x ranks"""]

@@ -278,15 +278,15 @@ def _cpu_spec(tmp_path, *overrides):
 def test_cpu_suggest_ranks_every_valid_actor_layout_and_balances_the_head(tmp_path, capsys):
     cfg = load_job(CPU_SPEC, _cpu_spec(tmp_path))
     found = plan.suggest_cpu(cfg, validate(cfg), top=1000, cores=2)
-    assert found.valid == len(found.best) > 10 and found.threads == 1  # 3 processes on 2 cores
+    # The spec's pool only; its 2 ranks on 2 cores get one math thread each.
+    assert found.valid == len(found.best) > 10 and found.pool_sizes == [2]
+    assert {(c.actor.gpus, c.threads) for c in found.best} == {(2, 1)}
     costs = [c.train_s for c in found.best]
     assert costs == sorted(costs)
     # Every candidate is a layout `rlx validate` accepts, as the overrides that select it.
     for c in found.best[:5] + found.best[-3:]:
-        split = ["actor.pp_layers=null" if c.actor.pp_layers is None else
-                 f"actor.pp_layers=[{','.join(map(str, c.actor.pp_layers))}]"]
-        validate(load_job(CPU_SPEC, _cpu_spec(tmp_path, f"actor.tp={c.actor.tp}", f"actor.pp={c.actor.pp}",
-                                              f"actor.micro_batch_size={c.micro_batch_size}", *split)))
+        job = load_job(CPU_SPEC, _cpu_spec(tmp_path, *c.overrides("actor")))
+        assert validate(job).actor == c.actor
     # The last stage also runs the 49152-wide tied head (on the scored positions): the best PP2
     # split puts more layers on the first stage, and it beats the even split at the same micro-batch.
     pp2 = [c for c in found.best if c.actor.pp == 2]
@@ -309,6 +309,50 @@ def test_cpu_suggest_ranks_every_valid_actor_layout_and_balances_the_head(tmp_pa
     assert "--calibrate belongs to the cpu profile's cost model" in capsys.readouterr().err
 
 
+def test_cpu_suggest_weighs_fewer_ranks_with_more_threads(tmp_path, capsys):
+    cfg = load_job(CPU_SPEC, _cpu_spec(tmp_path))
+    both = plan.suggest_cpu(cfg, validate(cfg), top=1000, cores=2, pool_sizes=[1, 2])
+    spec_pool = plan.suggest_cpu(cfg, validate(cfg), top=1000, cores=2)
+    one = [c for c in both.best if c.actor.gpus == 1]
+    # One rank: no TP or PP to split, a DP of 1; in the synchronous loop it has both cores.
+    assert {(c.actor.tp, c.actor.pp, c.actor.dp, c.threads) for c in one} == {(1, 1, 1, 2)}
+    assert both.valid == spec_pool.valid + len(one)
+    for c in one:
+        job = load_job(CPU_SPEC, _cpu_spec(tmp_path, *c.overrides("actor")))
+        assert validate(job).actor == c.actor
+    # Its second thread adds the calibrated gain, not a second core's whole rate: at a gain of 1 the
+    # arithmetic halves, at 0 it is one thread's, and the stored gain lies between.
+    lay, mbs = one[0].actor, one[0].micro_batch_size
+
+    def update_s(gain):
+        found = plan.suggest_cpu(cfg, validate(cfg), top=1000, cores=2, pool_sizes=[1],
+                                 constants={"matmul_thread_gain": gain, "softmax_thread_gain": gain})
+        return next(c.update_s for c in found.best if c.actor == lay and c.micro_batch_size == mbs)
+
+    assert update_s(1.0) < one[0].update_s < update_s(0.0)
+    assert plan._thread_speedup(2, 0.75) == 1.75 and plan._thread_speedup(0.5, 0.75) == 0.5
+    # Generating ahead, the engine computes beside the actor: one rank gets one thread, and the
+    # two balanced stages rank above it (as measured: docs/cpu-profile.md).
+    ahead = load_job(CPU_SPEC, _cpu_spec(tmp_path, "trainer.off_policy_steps=1"))
+    found = plan.suggest_cpu(ahead, validate(ahead), top=1000, cores=2, pool_sizes=[1, 2])
+    assert {c.threads for c in found.best if c.actor.gpus == 1} == {1}
+    bounded = [c for c in found.best if c.memory <= 4e9]
+    assert bounded[0].actor.gpus == 2 and bounded[0].actor.pp == 2
+    # The spec's two ranks and the engine then compute at once on 2 cores: each rank at 2/3 of one.
+    assert found.spec.threads == 1 and found.spec.update_s > 1.4 * spec_pool.spec.update_s
+    # On the command line: the table names each row's pool and threads, and the overrides of #1.
+    assert rlx(["plan", CPU_SPEC, *_cpu_spec(tmp_path), "--suggest", "--actor-pools", "1,2", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "on pool 'actor' of 1 or 2 logical GPUs" in out and "GPUs  threads" in out
+    assert "#1 as overrides: resources.pools.actor=" in out
+    with pytest.raises(SystemExit) as refused:  # argparse's own refusal: usage, the message, exit 2
+        rlx(["plan", CPU_SPEC, *_cpu_spec(tmp_path), "--suggest", "--actor-pools", "0,1"])
+    assert refused.value.code == 2
+    assert "--actor-pools: expected sizes of the actor's pool as whole numbers >= 1" in capsys.readouterr().err
+    assert rlx(["plan", CPU_SPEC, *_cpu_spec(tmp_path), "--actor-pools", "1"]) == 2
+    assert "--actor-pools belongs to the cpu profile's cost model" in capsys.readouterr().err
+
+
 def test_stage_splits_are_the_ones_megatron_takes():
     assert plan._stage_splits(4, 1) == [None]
     assert plan._stage_splits(4, 2) == [None, (1, 3), (3, 1)]  # (2, 2) is the even split, None
@@ -322,7 +366,7 @@ def test_stage_splits_are_the_ones_megatron_takes():
 def test_calibration_measures_every_constant():
     from launch.calibrate import calibrate
 
-    constants = calibrate(tokens=64, hidden=64, ffn=128)
+    constants = calibrate(tokens=64, hidden=64, ffn=128, cores=2)
     assert sorted(constants) == sorted(plan.CPU_CALIBRATION)
     assert constants["matmul_flops"] > 0 and constants["allreduce_bytes_s"] > 0
     # Costs are differences of timings, clipped at 0 where the machine's noise exceeds them.
