@@ -67,7 +67,15 @@ def make_tiny_model(out_dir: str, arch: str = "qwen2", hidden_size: int = 128, n
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0.0, 0.02)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    # One small shard: transformers' "Writing model shards" bar would only add a line to every
+    # quickstart, test and --calibrate run.
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        model.save_pretrained(out_dir, safe_serialization=True)
+    finally:
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
     # vLLM reads the generation config; keep sampling defaults neutral.
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
