@@ -671,6 +671,7 @@ class CpuSuggestions:
     seq_len: int
     layers: int
     memory_gb: Optional[float] = None
+    refused: dict[int, str] = field(default_factory=dict)  # pool size -> why no layout on it validated
 
 
 def _stage_splits(layers: int, pp: int) -> list[Optional[tuple[int, ...]]]:
@@ -789,7 +790,9 @@ def suggest_cpu(cfg, layout: JobLayout, top: int = 10, constants: Optional[dict]
     reference_inherits = layout.reference is not None and cfg.reference.tp is None and cfg.reference.pp is None
     on_policy = on_policy_update(cfg) or cfg.actor.use_rollout_logprobs
     found = []
+    refused = {}
     for size in sizes:
+        valid_here = 0
         resources = replace(cfg.resources, num_cpus=cores, pools={**cfg.resources.pools, pool_name: size})
         for tp in [t for t in _valid_tps(m, size) if not size % t]:
             for pp in [p for p in range(1, size // tp + 1) if not (size // tp) % p and p <= m.layers]:
@@ -800,8 +803,10 @@ def suggest_cpu(cfg, layout: JobLayout, top: int = 10, constants: Optional[dict]
                                                                                   micro_batch_size=mbs))
                         try:
                             trial_layout = validate(trial)
-                        except ConfigError:
+                        except ConfigError as e:
+                            refused.setdefault(size, str(e))
                             continue
+                        valid_here += 1
                         lay = trial_layout.actor
                         # Its ranks' threads as the job would start them; each rank computes with its
                         # threads, or with its fraction of the cores where more processes compute at
@@ -822,21 +827,25 @@ def suggest_cpu(cfg, layout: JobLayout, top: int = 10, constants: Optional[dict]
                         if memory_gb is not None and memory > memory_gb * GB:
                             continue
                         found.append(CpuCandidate(lay, threads, mbs, microbatches, logprob, update, memory))
+        if valid_here:
+            refused.pop(size, None)
     found.sort(key=lambda x: x.train_s)
     a = layout.actor
     spec_key = (a.gpus, a.tp, a.pp, a.pp_layers, cfg.actor.micro_batch_size)
     rank = next((i for i, x in enumerate(found, 1)
                  if (x.actor.gpus, x.actor.tp, x.actor.pp, x.actor.pp_layers, x.micro_batch_size) == spec_key), None)
     return CpuSuggestions(found[:top], len(found), rank, found[rank - 1] if rank else None, sizes, cores, c,
-                          constants is not None, seq_len, m.layers, memory_gb)
+                          constants is not None, seq_len, m.layers, memory_gb, refused)
 
 
 def format_cpu_suggestions(s: CpuSuggestions, cfg) -> str:
     pool_name = cfg.actor.pool
     sizes = " or ".join(map(str, s.pool_sizes))
+    refusals = [f"no actor layout on a pool of {n} logical GPUs passes rlx validate; the first refusal: {why}"
+                for n, why in sorted(s.refused.items())]
     if not s.best:
-        return (f"no actor layout on {sizes} logical GPUs divides the model and the batch"
-                + ("" if s.memory_gb is None else f" and fits --memory-gb {s.memory_gb:g}"))
+        return "\n".join([f"no actor layout on {sizes} logical GPUs divides the model and the batch"
+                          + ("" if s.memory_gb is None else f" and fits --memory-gb {s.memory_gb:g}")] + refusals)
     head = ("#", "GPUs", "threads", "tp", "pp", "dp", "layers per stage", "micro_batch_size", "micro-batches",
             "actor GB", "log-prob s", "update s", "actor s")
     rows = [head]
@@ -857,6 +866,7 @@ def format_cpu_suggestions(s: CpuSuggestions, cfg) -> str:
         lines.append("the spec's own layout is not among them")
     if s.spec_rank != 1:
         lines.append("#1 as overrides: " + " ".join(s.best[0].overrides(pool_name)))
+    lines += refusals
     k = s.constants
     lines += ["", f"""cpu cost model (the actor's seconds per step, to rank layouts; docs/cpu-profile.md compares it with
 measured steps):

@@ -349,6 +349,12 @@ def test_cpu_suggest_weighs_fewer_ranks_with_more_threads(tmp_path, capsys):
         rlx(["plan", CPU_SPEC, *_cpu_spec(tmp_path), "--suggest", "--actor-pools", "0,1"])
     assert refused.value.code == 2
     assert "--actor-pools: expected sizes of the actor's pool as whole numbers >= 1" in capsys.readouterr().err
+    # A pool size on which nothing validates says why (31 ranks: 32 sequences do not split over DP 31).
+    assert rlx(["plan", CPU_SPEC, *_cpu_spec(tmp_path), "--suggest", "--actor-pools", "1,31", "--top", "1"]) == 0
+    assert ("no actor layout on a pool of 31 logical GPUs passes rlx validate; the first refusal: "
+            "data.batch_size*rollout.n=4*8=32 sequences do not split") in capsys.readouterr().out
+    assert rlx(["plan", CPU_SPEC, *_cpu_spec(tmp_path), "--suggest", "--actor-pools", "31"]) == 2
+    assert "no actor layout on 31 logical GPUs divides the model and the batch" in capsys.readouterr().out
     assert rlx(["plan", CPU_SPEC, *_cpu_spec(tmp_path), "--actor-pools", "1"]) == 2
     assert "--actor-pools belongs to the cpu profile's cost model" in capsys.readouterr().err
 
