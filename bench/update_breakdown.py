@@ -18,11 +18,11 @@ them) over its forward + backward time against a one-thread matmul measured firs
 Each rank's CPU time in the update (user and system, from getrusage), its minor page faults and
 its resident memory once the update is done are counted too: the system time is mostly the kernel
 faulting in (and zero-filling) pages that malloc had given back. ``--malloc`` takes a comma-separated
-list of allocator modes, replayed one after the other on the same batches: ``glibc`` (its defaults,
-what the workers run; the default), ``keep`` (mmap off and a 1 GiB trim threshold, so that each
-micro-batch reuses the pages the last one freed) and ``keep-trim`` (the same, then ``malloc_trim(0)``
-after every update, the pages back to the kernel between steps; the trim counts in the update's time,
-under "other"). A row gives a hash of each stage's weights after the replay: the same in every mode.
+list of allocator modes, replayed one after the other on the same batches: ``glibc`` (its defaults;
+the default) and ``keep`` (mmap off and a 1 GiB trim threshold, so that each micro-batch reuses the
+pages the last one freed), the two values of ``resources.host_malloc`` set as the workers set them,
+and ``keep-trim`` (``keep``, then ``malloc_trim(0)`` after every update, the pages back to the kernel
+between steps; the trim counts in the update's time, under "other"). A row gives a hash of each stage's weights after the replay: the same in every mode.
 docs/cpu-profile.md, "Host memory", has what each costs.
 
 ``--profile`` also writes torch.profiler's op table of each rank's last update to
@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import collections
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import os
@@ -111,21 +112,11 @@ def _timed(table: dict, key: str, fn):
     return wrapper
 
 
-MALLOC_MODES = ("glibc", "keep", "keep-trim")
-M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # mallopt parameters (glibc's malloc.h)
+MALLOC_MODES = ("glibc", "keep", "keep-trim")  # resources.host_malloc's modes, and keep with a trim
 
 
 def _libc():
     return ctypes.CDLL(None)
-
-
-def _set_malloc(mode: str) -> None:
-    """``--malloc``: glibc's defaults, or freed memory kept for reuse (module docstring)."""
-    if mode == "glibc":
-        return
-    libc = _libc()
-    if libc.mallopt(M_MMAP_MAX, 0) != 1 or libc.mallopt(M_TRIM_THRESHOLD, 1 << 30) != 1:
-        raise RuntimeError(f"--malloc {mode}: glibc's mallopt refused M_MMAP_MAX=0 / M_TRIM_THRESHOLD=1 GiB")
 
 
 def _rank(rank: int, spec, port: int, kept: list, profile_dir: str | None, malloc: str, queue) -> None:
@@ -145,9 +136,8 @@ def _run_rank(rank: int, spec, port: int, kept: list, profile_dir: str | None, m
 
     from bench.e2e_step import matmul_rate
 
-    _set_malloc(malloc)  # before the model and its optimizer state exist
-
-    engine = MegatronEngine(spec, rank)
+    # The engine sets the allocator as a worker would (resources.host_malloc), before the model exists.
+    engine = MegatronEngine(dataclasses.replace(spec, host_malloc="keep" if malloc == "keep-trim" else malloc), rank)
     engine.init("127.0.0.1", port)
     table: dict = collections.defaultdict(float)
     from megatron.core.pipeline_parallel import p2p_communication, schedules

@@ -31,8 +31,9 @@ def role_spec(name: str, lay: RoleLayout, layout: JobLayout, model_path: str, mi
               max_tokens_per_micro_batch: int | None = None, lr_schedule=None) -> RoleSpec:
     return RoleSpec(name, model_path, tp=lay.tp, pp=lay.pp, dp=lay.dp, vpp=lay.vpp, pp_layers=lay.pp_layers,
                     micro_batch_size=micro_batch_size, profile=layout.device, dtype=layout.dtype, seed=seed,
-                    head=head, optim=optim, threads=threads, shared_prompt=shared_prompt,
-                    max_tokens_per_micro_batch=max_tokens_per_micro_batch, lr_schedule=lr_schedule)
+                    head=head, optim=optim, threads=threads, host_malloc=layout.host_malloc,
+                    shared_prompt=shared_prompt, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                    lr_schedule=lr_schedule)
 
 
 def reference_shape(cfg: JobConfig) -> dict:

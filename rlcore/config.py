@@ -32,6 +32,11 @@ class ResourcesConfig:
     nodes: int = 1  # machines the pools are spread over (`rlx submit --nodes` sets it)
     gpus_per_node: Optional[int] = None  # default: every pool's GPUs on one node
     gpu_memory_gb: float = 80.0  # memory of one GPU; `rlx plan` checks each role's estimate against it
+    # How the Megatron ranks' C allocator (glibc) treats freed host memory: "glibc" its defaults (large
+    # blocks unmapped on free, faulted in and zeroed again when next allocated); "keep" holds freed
+    # memory for reuse (mmap off, 1 GiB trim threshold): fewer page faults and a shorter cpu update,
+    # a few hundred MB more resident per rank (docs/cpu-profile.md, "Host memory").
+    host_malloc: str = "glibc"
 
 
 @dataclass

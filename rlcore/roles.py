@@ -44,6 +44,8 @@ class RoleSpec:
     # Math threads of each rank (torch.set_num_threads): its share of the node's cores among every
     # process the job places there (launch/compose.py's math_threads).
     threads: int = 1
+    # The C allocator's mode in each rank's process (resources.host_malloc: "glibc" | "keep").
+    host_malloc: str = "glibc"
     # Run the rows that share a prompt as one row, the prompt once (megatron_workers/packing.py).
     shared_prompt: bool = False
     # Micro-batches by a token budget instead of micro_batch_size rows (None: by rows).

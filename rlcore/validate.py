@@ -26,6 +26,7 @@ from rlcore.weight_sync import TRANSPORTS
 
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "gpu")
+HOST_MALLOC_MODES = ("glibc", "keep")  # resources.host_malloc (megatron_workers/host_malloc.py)
 DATA_SUFFIXES = (".parquet", ".jsonl")
 
 
@@ -40,6 +41,7 @@ class JobLayout:
     critic: Optional[RoleLayout] = None  # None unless the advantage estimator needs values (needs_critic)
     reward: dict[str, RoleLayout] = field(default_factory=dict)  # the scoring roles by source: "rm", "prm"
     judge: Optional[RolloutLayout] = None  # the LLM judge's engines (reward.judge); None: no judge
+    host_malloc: str = "glibc"  # resources.host_malloc, for every Megatron rank
 
 
 def for_another_machine(cfg: JobConfig) -> bool:
@@ -116,7 +118,7 @@ def validate(cfg: JobConfig, require_files: Optional[bool] = None) -> JobLayout:
         *((f"reward.{REWARD_MODEL_SECTIONS[n]}", lay) for n, lay in reward.items())) if lay is not None})
     return JobLayout(actor=actor, reference=reference, rollout=rollout, device=device,
                      total_gpus=sum(cfg.resources.pools.values()), dtype=dtype, critic=critic, reward=reward,
-                     judge=judge)
+                     judge=judge, host_malloc=host_malloc(cfg))
 
 
 # ------------------------------------------------------------------------------- reward models
@@ -512,6 +514,11 @@ def _check_resume(resume: str) -> None:
     if not (os.path.isfile(os.path.join(resume, MANIFEST)) or os.path.isfile(os.path.join(resume, LATEST))):
         raise ConfigError(f"trainer.resume={resume} is not a checkpoint: it has no {MANIFEST} (a step_N "
                           f"folder) and no {LATEST} pointer (a checkpoint_dir)")
+
+
+def host_malloc(cfg: JobConfig) -> str:
+    _one_of("resources.host_malloc", cfg.resources.host_malloc, HOST_MALLOC_MODES)
+    return cfg.resources.host_malloc
 
 
 def _one_of(key: str, value: str, valid) -> None:

@@ -260,6 +260,18 @@ def test_resources_device(files):
     assert_in(validate_error(files, "resources.device=tpu"), "resources.device='tpu'", "auto, cpu, gpu")
 
 
+def test_resources_host_malloc_reaches_every_megatron_role(files):
+    from launch.compose import role_spec
+
+    assert_in(validate_error(files, "resources.host_malloc=jemalloc"), "resources.host_malloc='jemalloc'",
+              "glibc, keep")
+    layout = validate(job(files))
+    assert layout.host_malloc == "glibc"  # the default: glibc's own settings
+    layout = validate(job(files, "resources.host_malloc=keep"))
+    spec = role_spec("actor", layout.actor, layout, files["model"], 2, 1)
+    assert layout.host_malloc == spec.host_malloc == "keep"
+
+
 # pools and layouts
 def test_role_pool_must_exist(files):
     assert_in(validate_error(files, "actor.pool=big"), "actor.pool='big'", "not a pool", "actor, rollout")

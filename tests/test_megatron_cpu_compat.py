@@ -101,6 +101,39 @@ def test_cpu_compat_is_targeted():
     run_script(CHECKS)
 
 
+# resources.host_malloc=keep in a fresh process: a large block freed and allocated again reuses its
+# pages (few minor faults) where glibc's defaults unmap it and fault it in again (one per 4 KiB page).
+HOST_MALLOC = textwrap.dedent("""
+    import resource
+    import torch
+    from megatron_workers.host_malloc import use_host_malloc
+
+    def faults_of_a_fresh_block():
+        torch.ones(64 << 18).sum()  # 64 MiB, freed at once
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        torch.ones(64 << 18).sum()
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    pages = (64 << 20) // resource.getpagesize()
+    assert faults_of_a_fresh_block() > pages // 2  # glibc's defaults: above the mmap threshold, unmapped
+    use_host_malloc("keep")
+    faults_of_a_fresh_block()  # the first block on the heap
+    kept = faults_of_a_fresh_block()
+    assert kept < pages // 20, (kept, pages)
+    try:
+        use_host_malloc("tcmalloc")
+    except ValueError as e:
+        assert "resources.host_malloc" in str(e) and "glibc, keep" in str(e)
+    else:
+        raise AssertionError("an unknown mode was accepted")
+    print("ok")
+""")
+
+
+def test_host_malloc_keep_reuses_freed_pages():
+    run_script(HOST_MALLOC)
+
+
 # megatron's own branch for gradient accumulation fusion (tensor_parallel/layers.py) with the cpu
 # kernel: the weight's gradient lands in main_grad, on top of what was there, and autograd's own
 # .grad is the dummy megatron hands back (DDP's hook then skips its add). The same for the word
