@@ -134,11 +134,8 @@ def test_host_malloc_keep_reuses_freed_pages():
     run_script(HOST_MALLOC)
 
 
-# megatron's own branch for gradient accumulation fusion (tensor_parallel/layers.py) with the cpu
-# kernel: the weight's gradient lands in main_grad, on top of what was there, and autograd's own
-# .grad is the dummy megatron hands back (DDP's hook then skips its add). The same for the word
-# embedding, and gradient clipping in place.
-FUSED_WGRAD = textwrap.dedent("""
+# The start of a script that runs megatron on one gloo rank: the cpu layer, a world of one, TP = PP = 1.
+ONE_RANK_MEGATRON = textwrap.dedent("""
     import os
     import torch
     import torch.distributed as dist
@@ -146,12 +143,21 @@ FUSED_WGRAD = textwrap.dedent("""
 
     apply_cpu_compat()
     from megatron.core import parallel_state
-    from megatron.core.model_parallel_config import ModelParallelConfig
-    from megatron.core.tensor_parallel import ColumnParallelLinear
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
     dist.init_process_group("gloo", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
+""")
+
+
+# megatron's own branch for gradient accumulation fusion (tensor_parallel/layers.py) with the cpu
+# kernel: the weight's gradient lands in main_grad, on top of what was there, and autograd's own
+# .grad is the dummy megatron hands back (DDP's hook then skips its add). The same for the word
+# embedding, and gradient clipping in place.
+FUSED_WGRAD = ONE_RANK_MEGATRON + textwrap.dedent("""
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
     config = ModelParallelConfig(gradient_accumulation_fusion=True, use_cpu_initialization=True)
     layer = ColumnParallelLinear(24, 40, config=config, init_method=torch.nn.init.normal_, bias=False)
     weight = layer.weight
@@ -218,22 +224,11 @@ def test_megatron_accumulates_weight_gradients_into_main_grad_on_cpu():
 # the weight zero_out_wgrad and sums a zero-filled placeholder, the embedding's dense gradient and the
 # DDP hook's add; the cpu layer has both uses add into main_grad themselves. Every parameter's main
 # gradient after two micro-batches is the same to the bit either way.
-TIED_STAGE = textwrap.dedent("""
-    import os
-    import torch
-    import torch.distributed as dist
-    from megatron_workers.cpu_compat import apply_cpu_compat
-
-    apply_cpu_compat()
-    from megatron.core import parallel_state
+TIED_STAGE = ONE_RANK_MEGATRON + textwrap.dedent("""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
 
     def main_grads(megatrons_own_path: bool):
         torch.manual_seed(0)
