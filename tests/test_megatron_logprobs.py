@@ -53,3 +53,36 @@ def test_exp_is_torchs_above_exp_minus_87_and_zero_at_or_below():
     assert torch.equal(out[kept], x[kept].exp()) and torch.all(out[~kept] == 0)
     assert not torch.any((out != 0) & (out.abs() < torch.finfo(torch.float32).tiny))
     assert torch.equal(_exp_without_denormals(x.view(5, -1)).view(-1), out)
+
+
+def test_row_passes_equal_the_whole_buffer_formulas_to_the_bit():
+    """exp s and p are made a few rows at a time (logprobs.py: _ROWS_PER_PASS); every value and
+    gradient equals the out-of-place formulas over the whole [rows, V] buffer, bit for bit (rows not
+    a multiple of the pass; a vocabulary of 4096 keeps each thread's share of an elementwise op a
+    multiple of the vector width, as 49152 does, so no element falls to the scalar tail)."""
+    from megatron_workers.logprobs import _ROWS_PER_PASS, vocab_parallel_logprobs
+
+    g = torch.Generator().manual_seed(1)
+    rows, vocab, temperature = 3 * _ROWS_PER_PASS - 3, 4096, 0.7
+    logits = (40.0 * torch.randn(rows, vocab, generator=g)).requires_grad_()
+    target = torch.randint(0, vocab, (rows,), generator=g)
+    w_lp, w_ent = torch.randn(rows, generator=g), torch.randn(rows, generator=g)
+    logprob, entropy = vocab_parallel_logprobs(logits, target, None, temperature)
+    grad, = torch.autograd.grad((logprob * w_lp).sum() + (entropy * w_ent).sum(), logits)
+
+    with torch.no_grad():
+        scaled = logits / temperature
+        shifted = scaled - scaled.max(-1).values.unsqueeze(-1)
+        exp = _exp_without_denormals(shifted)
+        sum_exp, sum_exp_shifted = exp.sum(-1), (exp * shifted).sum(-1)
+        log_z = sum_exp.log()
+        ref_logprob = shifted.gather(-1, target[:, None]).squeeze(-1) - log_z
+        ref_entropy = log_z - sum_exp_shifted / sum_exp
+        log_softmax = shifted - log_z[:, None]
+        factor = (log_softmax + ref_entropy[:, None]) * w_ent[:, None] + w_lp[:, None]
+        ref_grad = -(factor * _exp_without_denormals(log_softmax))
+        ref_grad.scatter_add_(-1, target[:, None], w_lp[:, None])
+        ref_grad /= temperature
+    assert (exp == 0).float().mean() > 0.5  # most of the vocabulary flushed: the peaked case
+    assert torch.equal(logprob, ref_logprob) and torch.equal(entropy, ref_entropy)
+    assert torch.equal(grad, ref_grad)
