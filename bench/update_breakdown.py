@@ -262,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.multiprocessing as mp
 
     from launch.compose import job_threads, role_spec
+    from megatron_workers.host_malloc import hugepages_env
     from rlcore.hf_config import read_hf_config
     from rlcore.validate import validate
 
@@ -288,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(run_dir, exist_ok=True)
     hf = read_hf_config(cfg.model.path, cfg.model.hf_config)
     lay = layout.actor
+    os.environ.update(hugepages_env(spec.host_hugepages))  # the spawned ranks start with it, as Ray starts them
     for mode in modes:  # the same kept batches, one fresh world per allocator mode, back to back
         with socket.socket() as s:
             s.bind(("", 0))
@@ -307,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"`{a.spec}`{' ' + ' '.join(a.overrides) if a.overrides else ''}: actor TP{lay.tp} PP{lay.pp} DP{lay.dp}"
               f"{' pp_layers ' + str(list(lay.pp_layers)) if lay.pp_layers else ''}, micro-batch {act.micro_batch_size}, "
-              f"{spec.threads} thread(s) per rank, malloc: {mode}; the updates of {len(kept)} job steps replayed "
+              f"{spec.threads} thread(s) per rank, malloc: {mode}{', huge pages' * spec.host_hugepages}; the updates of {len(kept)} job steps replayed "
               f"(medians, s); load average (1 min) at the end: {os.getloadavg()[0]:.1f}")
         print()
         _print_table(results, kept, hf, act.shared_prompt, lay.dp)

@@ -32,6 +32,7 @@ def role_spec(name: str, lay: RoleLayout, layout: JobLayout, model_path: str, mi
     return RoleSpec(name, model_path, tp=lay.tp, pp=lay.pp, dp=lay.dp, vpp=lay.vpp, pp_layers=lay.pp_layers,
                     micro_batch_size=micro_batch_size, profile=layout.device, dtype=layout.dtype, seed=seed,
                     head=head, optim=optim, threads=threads, host_malloc=layout.host_malloc,
+                    host_hugepages=layout.host_hugepages,
                     shared_prompt=shared_prompt, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
                     lr_schedule=lr_schedule)
 

@@ -32,7 +32,7 @@ from rlcore.lr_schedule import LRSchedule, resolve as resolve_lr_schedule
 from rlcore.roles import RoleSpec
 
 from .heads import HEADS
-from .host_malloc import use_host_malloc
+from .host_malloc import check_host_hugepages, use_host_malloc
 from .packing import ActiveInputs, ModelInputs, attach_input_hooks, model_inputs, token_budget_micro_batches, trimmed
 
 
@@ -124,6 +124,9 @@ class MegatronEngine:
             # slower on a shared 2-core box whenever another process held a core (docs/cpu-profile.md).
             torch.set_num_threads(spec.threads)
             use_host_malloc(spec.host_malloc)  # before the model, its gradients and Adam's state exist
+            hugepages = check_host_hugepages(spec.host_hugepages)
+            if hugepages:
+                warnings.warn(hugepages)
         self.spec, self.head, self.rank = spec, HEADS[spec.head], rank
         self.role, self.model_path, self.profile, self.dtype = spec.name, spec.model_path, spec.profile, spec.dtype
         self.tp, self.pp, self.dp, self.vpp = spec.tp, spec.pp, spec.dp, spec.vpp

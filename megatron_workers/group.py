@@ -23,6 +23,7 @@ from rlcore.roles import RoleSpec, UpdateResult
 
 from .engine import MegatronEngine
 from .heads import HEADS
+from .host_malloc import hugepages_env
 from .model import read_hf_config
 
 DEATH_GRACE_S = 10.0  # after one rank's error, how long the others may take to show a death instead
@@ -49,7 +50,9 @@ class MegatronGroup:
         self.role, self.tp, self.pp, self.dp, self.vpp = spec.name, spec.tp, spec.pp, spec.dp, spec.vpp
         self.profile = spec.profile
         engine_cls = ray.remote(MegatronEngine)
-        self.workers = [engine_cls.options(**placement.actor_options(i)).remote(spec, i)
+        # Ray merges these variables into the job's (rlcore/placement.py); torch reads them at import.
+        env = {"runtime_env": {"env_vars": hugepages_env(spec.host_hugepages)}} if spec.host_hugepages else {}
+        self.workers = [engine_cls.options(**placement.actor_options(i), **env).remote(spec, i)
                         for i in range(spec.world_size)]
         try:
             # Plain ray.get: an actor that failed to start is an ActorDiedError carrying its traceback.

@@ -37,6 +37,12 @@ class ResourcesConfig:
     # memory for reuse (mmap off, 1 GiB trim threshold): fewer page faults and a shorter cpu update,
     # a few hundred MB more resident per rank (docs/cpu-profile.md, "Host memory").
     host_malloc: str = "glibc"
+    # true: the Megatron ranks' torch allocations of 2 MB and more are advised as transparent huge pages
+    # (torch's THP_MEM_ALLOC_ENABLE in each rank's environment), so the kernel faults them in 2 MB at a
+    # time instead of 4 KB: on the cpu profile an update's first steps, which grow the heap, lose most of
+    # their page-fault time (docs/cpu-profile.md, "Host memory"). Needs the kernel's THP mode madvise or
+    # always (/sys/kernel/mm/transparent_hugepage/enabled); each rank warns when it is never.
+    host_hugepages: bool = False
 
 
 @dataclass

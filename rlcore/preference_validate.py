@@ -68,7 +68,8 @@ def validate_preference(cfg: JobConfig, require_files: Optional[bool] = None):
         except RewardError as e:
             raise ConfigError(str(e)) from e
     return v.JobLayout(actor=actor, reference=reference, rollout=rollout, device=device,
-                       total_gpus=sum(cfg.resources.pools.values()), dtype=dtype, host_malloc=v.host_malloc(cfg))
+                       total_gpus=sum(cfg.resources.pools.values()), dtype=dtype, host_malloc=v.host_malloc(cfg),
+                       host_hugepages=cfg.resources.host_hugepages)
 
 
 def _check_dpo(cfg: JobConfig) -> None:

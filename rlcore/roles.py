@@ -46,6 +46,8 @@ class RoleSpec:
     threads: int = 1
     # The C allocator's mode in each rank's process (resources.host_malloc: "glibc" | "keep").
     host_malloc: str = "glibc"
+    # Each rank's process started with torch's huge-page advice (resources.host_hugepages).
+    host_hugepages: bool = False
     # Run the rows that share a prompt as one row, the prompt once (megatron_workers/packing.py).
     shared_prompt: bool = False
     # Micro-batches by a token budget instead of micro_batch_size rows (None: by rows).

@@ -42,6 +42,7 @@ class JobLayout:
     reward: dict[str, RoleLayout] = field(default_factory=dict)  # the scoring roles by source: "rm", "prm"
     judge: Optional[RolloutLayout] = None  # the LLM judge's engines (reward.judge); None: no judge
     host_malloc: str = "glibc"  # resources.host_malloc, for every Megatron rank
+    host_hugepages: bool = False  # resources.host_hugepages, for every Megatron rank
 
 
 def for_another_machine(cfg: JobConfig) -> bool:
@@ -118,7 +119,8 @@ def validate(cfg: JobConfig, require_files: Optional[bool] = None) -> JobLayout:
         *((f"reward.{REWARD_MODEL_SECTIONS[n]}", lay) for n, lay in reward.items())) if lay is not None})
     return JobLayout(actor=actor, reference=reference, rollout=rollout, device=device,
                      total_gpus=sum(cfg.resources.pools.values()), dtype=dtype, critic=critic, reward=reward,
-                     judge=judge, host_malloc=host_malloc(cfg))
+                     judge=judge, host_malloc=host_malloc(cfg),
+                     host_hugepages=cfg.resources.host_hugepages)
 
 
 # ------------------------------------------------------------------------------- reward models

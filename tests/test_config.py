@@ -272,6 +272,18 @@ def test_resources_host_malloc_reaches_every_megatron_role(files):
     assert layout.host_malloc == spec.host_malloc == "keep"
 
 
+def test_resources_host_hugepages_reaches_every_megatron_role(files):
+    from launch.compose import role_spec
+
+    with pytest.raises(ConfigError) as refused:
+        job(files, "resources.host_hugepages=sometimes")
+    assert_in(str(refused.value), "resources.host_hugepages", "'sometimes'")
+    layout = validate(job(files))
+    assert layout.host_hugepages is False and role_spec("actor", layout.actor, layout, files["model"], 2, 1).host_hugepages is False
+    layout = validate(job(files, "resources.host_hugepages=true"))
+    assert role_spec("actor", layout.actor, layout, files["model"], 2, 1).host_hugepages is True
+
+
 # pools and layouts
 def test_role_pool_must_exist(files):
     assert_in(validate_error(files, "actor.pool=big"), "actor.pool='big'", "not a pool", "actor, rollout")

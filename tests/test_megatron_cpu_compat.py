@@ -83,16 +83,16 @@ CHECKS = textwrap.dedent("""
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the layer is a no-op where CUDA is available")
-def run_script(script: str) -> None:
+def run_script(script: str, **env_vars: str) -> None:
     """Runs ``script`` in a fresh one-thread interpreter (the repository on its path, a free port in
-    PORT for a one-process gloo world) and expects it to print exactly "ok"."""
+    PORT for a one-process gloo world, ``env_vars`` added) and expects it to print exactly "ok"."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
-               OMP_NUM_THREADS="1", PORT=str(port))
+               OMP_NUM_THREADS="1", PORT=str(port), **env_vars)
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
@@ -265,3 +265,40 @@ TIED_STAGE = ONE_RANK_MEGATRON + textwrap.dedent("""
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the layer is a no-op where CUDA is available")
 def test_tied_embedding_and_head_on_one_stage_add_into_main_grad_as_megatron_sums_them():
     run_script(TIED_STAGE)
+
+
+# resources.host_hugepages: the rank's process starts with torch's THP_MEM_ALLOC_ENABLE (Ray's runtime_env);
+# where the kernel takes the advice, a fresh 64 MiB block is faulted in 2 MiB at a time.
+HOST_HUGEPAGES = textwrap.dedent("""
+    import os, resource, tempfile
+    import torch
+    from megatron_workers.host_malloc import THP_MODE_FILE, check_host_hugepages, hugepages_env
+
+    assert hugepages_env(True) == {"THP_MEM_ALLOC_ENABLE": "1"} and hugepages_env(False) == {}
+    assert check_host_hugepages(False) is None
+    with tempfile.TemporaryDirectory() as d:
+        for mode, warned in (("always [madvise] never", False), ("always madvise [never]", True)):
+            with open(os.path.join(d, "enabled"), "w") as f:
+                f.write(mode + "\\n")
+            warning = check_host_hugepages(True, os.path.join(d, "enabled"))
+            assert (warning is not None) == warned, (mode, warning)
+        assert "resources.host_hugepages=true" in warning and "[never]" in warning
+        assert "cannot be read" in check_host_hugepages(True, os.path.join(d, "missing"))
+    if check_host_hugepages(True) is None:  # this kernel takes the advice
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        torch.ones(64 << 18).sum()  # 64 MiB
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        assert faults < (64 << 20) // resource.getpagesize() // 20, faults
+    del os.environ["THP_MEM_ALLOC_ENABLE"]
+    try:
+        check_host_hugepages(True)
+    except RuntimeError as e:
+        assert "started without THP_MEM_ALLOC_ENABLE=1" in str(e)
+    else:
+        raise AssertionError("a process without the advice was accepted")
+    print("ok")
+""")
+
+
+def test_host_hugepages_advice_is_checked_in_the_rank():
+    run_script(HOST_HUGEPAGES, THP_MEM_ALLOC_ENABLE="1")
