@@ -267,6 +267,8 @@ SMOLLM2 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden
            "vocab_size": 49152, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
            "tie_word_embeddings": True, "hidden_act": "silu"}
 CPU_SPEC = "yaml_configs/smollm2_math_cpu.yaml"
+# The same job on two ranks, pipelined (what sampling ahead ranks first; the spec's comment names it).
+TWO_STAGES = ("resources.pools.actor=2", "actor.pp=2", "actor.pp_layers=[17,13]", "actor.micro_batch_size=8")
 
 
 def _cpu_spec(tmp_path, *overrides):
@@ -276,7 +278,7 @@ def _cpu_spec(tmp_path, *overrides):
 
 
 def test_cpu_suggest_ranks_every_valid_actor_layout_and_balances_the_head(tmp_path, capsys):
-    cfg = load_job(CPU_SPEC, _cpu_spec(tmp_path))
+    cfg = load_job(CPU_SPEC, _cpu_spec(tmp_path, *TWO_STAGES))
     found = plan.suggest_cpu(cfg, validate(cfg), top=1000, cores=2)
     # The spec's pool only; its 2 ranks on 2 cores get one math thread each.
     assert found.valid == len(found.best) > 10 and found.pool_sizes == [2]
@@ -285,7 +287,7 @@ def test_cpu_suggest_ranks_every_valid_actor_layout_and_balances_the_head(tmp_pa
     assert costs == sorted(costs)
     # Every candidate is a layout `rlx validate` accepts, as the overrides that select it.
     for c in found.best[:5] + found.best[-3:]:
-        job = load_job(CPU_SPEC, _cpu_spec(tmp_path, *c.overrides("actor")))
+        job = load_job(CPU_SPEC, _cpu_spec(tmp_path, *TWO_STAGES, *c.overrides("actor")))
         assert validate(job).actor == c.actor
     # The last stage also runs the 49152-wide tied head (on the scored positions): the best PP2
     # split puts more layers on the first stage, and it beats the even split at the same micro-batch.
@@ -294,13 +296,12 @@ def test_cpu_suggest_ranks_every_valid_actor_layout_and_balances_the_head(tmp_pa
     assert best.actor.pp_layers[0] > best.actor.pp_layers[1]
     even = next(c for c in pp2 if c.actor.pp_layers is None and c.micro_batch_size == best.micro_batch_size)
     assert best.train_s < even.train_s
-    # Unbounded, two whole replicas (DP2) come first; within the 4 GB the spec's comment names, the
-    # spec's own layout does.
+    # Unbounded, two whole replicas (DP2) come first; within 4 GB on two ranks, the two stages do.
     assert found.best[0].actor.dp == 2 and found.best[0].memory > 4e9
     bounded = plan.suggest_cpu(cfg, validate(cfg), top=1000, cores=2, memory_gb=4)
     assert bounded.valid < found.valid and all(c.memory <= 4e9 for c in bounded.best)
     assert bounded.spec_rank == 1
-    assert rlx(["plan", CPU_SPEC, *_cpu_spec(tmp_path), "--suggest", "--memory-gb", "4", "--top", "3"]) == 0
+    assert rlx(["plan", CPU_SPEC, *_cpu_spec(tmp_path, *TWO_STAGES), "--suggest", "--memory-gb", "4", "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert "the 3 best of" in out and "cpu cost model" in out and "the spec's own layout ranks #1" in out
     assert "within 4 GB of host memory" in out
@@ -313,10 +314,15 @@ def test_cpu_suggest_weighs_fewer_ranks_with_more_threads(tmp_path, capsys):
     cfg = load_job(CPU_SPEC, _cpu_spec(tmp_path))
     both = plan.suggest_cpu(cfg, validate(cfg), top=1000, cores=2, pool_sizes=[1, 2])
     spec_pool = plan.suggest_cpu(cfg, validate(cfg), top=1000, cores=2)
+    two = load_job(CPU_SPEC, _cpu_spec(tmp_path, *TWO_STAGES))
+    two_ranks = plan.suggest_cpu(two, validate(two), top=1000, cores=2)
     one = [c for c in both.best if c.actor.gpus == 1]
     # One rank: no TP or PP to split, a DP of 1; in the synchronous loop it has both cores.
     assert {(c.actor.tp, c.actor.pp, c.actor.dp, c.threads) for c in one} == {(1, 1, 1, 2)}
-    assert both.valid == spec_pool.valid + len(one)
+    assert spec_pool.pool_sizes == [1] and spec_pool.valid == len(one)
+    assert both.valid == two_ranks.valid + len(one)
+    # Within 4 GB over both pool sizes the spec's own layout (one rank, one micro-batch of 32) is first.
+    assert plan.suggest_cpu(cfg, validate(cfg), top=1000, cores=2, pool_sizes=[1, 2], memory_gb=4).spec_rank == 1
     for c in one:
         job = load_job(CPU_SPEC, _cpu_spec(tmp_path, *c.overrides("actor")))
         assert validate(job).actor == c.actor
@@ -338,10 +344,12 @@ def test_cpu_suggest_weighs_fewer_ranks_with_more_threads(tmp_path, capsys):
     assert {c.threads for c in found.best if c.actor.gpus == 1} == {1}
     bounded = [c for c in found.best if c.memory <= 4e9]
     assert bounded[0].actor.gpus == 2 and bounded[0].actor.pp == 2
-    # The spec's two ranks and the engine then compute at once on 2 cores: each rank at 2/3 of one.
+    # The spec's one rank then computes on one core beside the engine, not on both.
     assert found.spec.threads == 1 and found.spec.update_s > 1.4 * spec_pool.spec.update_s
-    # On the command line: the table names each row's pool and threads, and the overrides of #1.
-    assert rlx(["plan", CPU_SPEC, *_cpu_spec(tmp_path), "--suggest", "--actor-pools", "1,2", "--top", "3"]) == 0
+    # On the command line: the table names each row's pool and threads, and the overrides of #1 where
+    # the spec's layout is not first.
+    assert rlx(["plan", CPU_SPEC, *_cpu_spec(tmp_path, *TWO_STAGES), "--suggest", "--actor-pools", "1,2",
+                "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert "on pool 'actor' of 1 or 2 logical GPUs" in out and "GPUs  threads" in out
     assert "#1 as overrides: resources.pools.actor=" in out

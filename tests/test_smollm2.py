@@ -121,9 +121,13 @@ def test_a_grpo_step_keeps_engine_and_trainer_in_agreement(smollm2, math_data, t
         f"model.path={smollm2}", f"data.train_files=[{train_path}]", f"data.val_files=[{val_path}]",
         "data.batch_size=2", "rollout.n=4", "rollout.max_response_length=8", "actor.micro_batch_size=4",
         "trainer.total_steps=1", "trainer.val_every=0", "trainer.logger=[console,jsonl]",
-        f"trainer.run_dir={tmp_path / 'run'}", "resources.num_cpus=2"])
+        f"trainer.run_dir={tmp_path / 'run'}", "resources.num_cpus=2",
+        # Two stages (the spec runs one rank): the tied embedding then has a copy on each stage, the
+        # case the sync's renaming and the engine's tied head must get right.
+        "resources.pools.actor=2", "actor.pp=2", "actor.pp_layers=[17,13]"])
     layout = validate(cfg)
     assert (layout.actor.tp, layout.actor.pp, layout.reference) == (1, 2, None)
+    assert (layout.host_malloc, layout.host_hugepages) == ("keep", True)  # the spec's, through Ray's runtime_env
     trainer = None
     try:
         trainer = build_trainer(cfg, layout)
