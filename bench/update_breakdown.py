@@ -18,8 +18,8 @@ them) over its forward + backward time against a one-thread matmul measured firs
 Each rank's CPU time in the update (user and system, from getrusage), its minor page faults and
 its resident memory once the update is done are counted too: the system time is mostly the kernel
 faulting in (and zero-filling) pages that malloc had given back. ``--malloc`` takes a comma-separated
-list of allocator modes, replayed one after the other on the same batches: ``glibc`` (its defaults;
-the default) and ``keep`` (mmap off and a 1 GiB trim threshold, so that each micro-batch reuses the
+list of allocator modes, replayed one after the other on the same batches (default: the spec's
+``resources.host_malloc``, as its workers run): ``glibc`` (its defaults) and ``keep`` (mmap off and a 1 GiB trim threshold, so that each micro-batch reuses the
 pages the last one freed), the two values of ``resources.host_malloc`` set as the workers set them,
 and ``keep-trim`` (``keep``, then ``malloc_trim(0)`` after every update, the pages back to the kernel
 between steps; the trim counts in the update's time, under "other"). A row gives a hash of each stage's weights after the replay: the same in every mode.
@@ -244,15 +244,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     p.add_argument("--steps", type=int, default=3, help="job steps whose batches the updates replay (default 3)")
     p.add_argument("--profile", action="store_true", help="torch.profiler op tables of the last update")
-    p.add_argument("--malloc", default="glibc",
-                   help="comma-separated allocator modes to replay under, one after the other: glibc (the defaults "
-                        "the workers run), keep, keep-trim (module docstring); default glibc")
+    p.add_argument("--malloc", default=None,
+                   help="comma-separated allocator modes to replay under, one after the other: glibc (its "
+                        "defaults), keep, keep-trim (module docstring); default: the spec's resources.host_malloc")
     p.add_argument("--batches", metavar="FILE",
                    help="replay the batches kept in FILE if it exists, else collect them and keep them there")
     a = p.parse_args(argv)
     if a.steps < 1:
         p.error(f"--steps={a.steps} must be >= 1")
-    modes = a.malloc.split(",")
+    modes = a.malloc.split(",") if a.malloc is not None else []
     unknown = [m for m in modes if m not in MALLOC_MODES]
     if unknown:
         p.error(f"--malloc: unknown mode(s) {unknown}; expected a comma-separated list of {', '.join(MALLOC_MODES)}")
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     hf = read_hf_config(cfg.model.path, cfg.model.hf_config)
     lay = layout.actor
     os.environ.update(hugepages_env(spec.host_hugepages))  # the spawned ranks start with it, as Ray starts them
-    for mode in modes:  # the same kept batches, one fresh world per allocator mode, back to back
+    for mode in modes or [spec.host_malloc]:  # the same kept batches, one fresh world per allocator mode, back to back
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
