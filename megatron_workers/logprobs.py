@@ -16,8 +16,16 @@ import torch.nn.functional as F
 # exp(-87) = 1.6e-38, just above float32's smallest normal number (1.2e-38).
 _EXP_FLUSH_BELOW = -87.0
 _EXP_FLUSHED = float(torch.tensor(_EXP_FLUSH_BELOW).exp())
-# Rows of exp s (forward) and p (backward) made at a time: ~4 MB of a 49152-wide vocabulary.
-_ROWS_PER_PASS = 21
+# Elements of exp s (forward) and p (backward) made at a time: 4 MB of fp32 on the CPU (21 rows of a
+# 49152-wide vocabulary), a buffer its allocator reuses; 256 MB on a GPU, where each pass is a few
+# kernel launches and one pass per ~400 rows keeps them few.
+_CPU_ELEMENTS_PER_PASS, _GPU_ELEMENTS_PER_PASS = 1 << 20, 1 << 26
+
+
+def rows_per_pass(vocab_local: int, device: torch.device) -> int:
+    """Rows of a [rows, vocab_local] buffer that one pass of exp s or p covers on ``device``."""
+    elements = _CPU_ELEMENTS_PER_PASS if device.type == "cpu" else _GPU_ELEMENTS_PER_PASS
+    return max(1, elements // vocab_local)
 
 
 def _exp_without_denormals(x: torch.Tensor) -> torch.Tensor:
@@ -42,11 +50,11 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
     d / d logits = (d / d s) / T.
 
     One new [.., V/TP] buffer: logits / T, which becomes s, then the saved log-softmax, then (in the
-    backward) the gradient. exp s and p are made ``_ROWS_PER_PASS`` rows at a time, a few MB that
+    backward) the gradient. exp s and p are made ``rows_per_pass`` rows at a time, a few MB that
     the allocator reuses: on the CPU every fresh vocabulary-wide buffer (~100 MB for 500 scored
     positions of a 49152 vocabulary) is pages the kernel faults in and zeroes, and glibc maps one
-    above 32 MiB fresh every time. The same operations on every element in the same order as the
-    out-of-place formulas: equal to the bit (tested)."""
+    above 32 MiB fresh every time; on a GPU it is memory. The same operations on every element in
+    the same order as the out-of-place formulas: equal to the bit on the CPU (tested)."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, temperature: float, tp_group):
@@ -66,8 +74,9 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         target_shifted = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) * in_range
         sums = torch.empty((3, *shifted.shape[:-1]), dtype=shifted.dtype, device=shifted.device)
         rows, row_sums = shifted.view(-1, vocab_local), sums.view(3, -1)
-        for begin in range(0, rows.shape[0], _ROWS_PER_PASS):
-            s = rows[begin:begin + _ROWS_PER_PASS]
+        step = rows_per_pass(vocab_local, rows.device)
+        for begin in range(0, rows.shape[0], step):
+            s = rows[begin:begin + step]
             exp = _exp_without_denormals(s)
             row_sums[0, begin:begin + len(s)] = exp.sum(-1)
             row_sums[1, begin:begin + len(s)] = exp.mul_(s).sum(-1)
@@ -92,8 +101,9 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         vocab_local = log_softmax.shape[-1]
         rows = log_softmax.view(-1, vocab_local)
         per_row = [t.reshape(-1, 1) for t in (entropy, grad_entropy, grad_logprob)]
-        for begin in range(0, rows.shape[0], _ROWS_PER_PASS):
-            end = begin + _ROWS_PER_PASS
+        step = rows_per_pass(vocab_local, rows.device)
+        for begin in range(0, rows.shape[0], step):
+            end = begin + step
             log_p = rows[begin:end]
             probs = _exp_without_denormals(log_p)
             h, g_ent, g_lp = (t[begin:end] for t in per_row)

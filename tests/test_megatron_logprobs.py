@@ -56,14 +56,16 @@ def test_exp_is_torchs_above_exp_minus_87_and_zero_at_or_below():
 
 
 def test_row_passes_equal_the_whole_buffer_formulas_to_the_bit():
-    """exp s and p are made a few rows at a time (logprobs.py: _ROWS_PER_PASS); every value and
+    """exp s and p are made a few rows at a time (logprobs.py: rows_per_pass); every value and
     gradient equals the out-of-place formulas over the whole [rows, V] buffer, bit for bit (rows not
     a multiple of the pass; a vocabulary of 4096 keeps each thread's share of an elementwise op a
     multiple of the vector width, as 49152 does, so no element falls to the scalar tail)."""
-    from megatron_workers.logprobs import _ROWS_PER_PASS, vocab_parallel_logprobs
+    from megatron_workers.logprobs import rows_per_pass, vocab_parallel_logprobs
 
     g = torch.Generator().manual_seed(1)
-    rows, vocab, temperature = 3 * _ROWS_PER_PASS - 3, 4096, 0.7
+    vocab, temperature = 4096, 0.7
+    assert rows_per_pass(49152, torch.device("cpu")) == 21 and rows_per_pass(1 << 21, torch.device("cpu")) == 1
+    rows = 3 * rows_per_pass(vocab, torch.device("cpu")) - 3
     logits = (40.0 * torch.randn(rows, vocab, generator=g)).requires_grad_()
     target = torch.randint(0, vocab, (rows,), generator=g)
     w_lp, w_ent = torch.randn(rows, generator=g), torch.randn(rows, generator=g)
