@@ -4,7 +4,7 @@ terms, refusing what TRL cannot reproduce."""
 import pytest
 import torch
 
-from bench.e2e_step import TOTAL, executed_rows, logprob_gap_line, overlap, update_flops_per_row
+from bench.e2e_step import TOTAL, executed_rows, higher_of, logprob_gap_line, overlap, reading_note, update_flops_per_row
 from bench.vs_trl import NotComparable, trl_job
 from rlcore.hf_config import parse_hf_config
 from rlcore.job import load_job
@@ -27,6 +27,19 @@ def test_overlap_is_step_over_the_sum_of_phases():
     overlapped = {TOTAL: 6.0, "timing/rollout_s": 4.0, "timing/update_s": 6.0}
     assert overlap([(sequential, 0, 0, 0.0)]) == pytest.approx(1.0)
     assert overlap([(overlapped, 0, 0, 0.0), (overlapped, 0, 0, 0.0)]) == pytest.approx(0.6)
+
+
+def test_the_cpu_matmul_reference_is_the_higher_of_its_readings_before_and_after_the_job():
+    # A neighbour's load during one reading only lowers it: keeping the lower would flatter the update.
+    before = [{"label": "1 thread", "threads": 1, "flops": 90e9}, {"label": "2 threads", "threads": 2, "flops": 141e9}]
+    after = [{"label": "1 thread", "threads": 1, "flops": 88e9}, {"label": "2 threads", "threads": 2, "flops": 199e9}]
+    merged = higher_of(before, after)
+    assert [m["flops"] for m in merged] == [90e9, 199e9]
+    assert merged[1]["readings"] == (141e9, 199e9) and merged[1]["threads"] == 2
+    assert reading_note(merged[1], 1e9) == "; the higher of 141.0 before and 199.0 after the job"
+    assert reading_note(before[0], 1e9) == ""
+    with pytest.raises(ValueError, match="matmul references differ"):
+        higher_of(before, after[::-1])
 
 
 def test_the_logprob_gap_line_says_when_trajectories_were_sampled_by_older_weights():
