@@ -79,10 +79,9 @@ def import_megatron_without_compile() -> None:
     """Imports megatron-core with torch.compile as the identity while its ``jit_fuser`` is bound
     (megatron/core/jit.py: ``jit_fuser = torch.compile``, which every fusion module decorates with).
     Decorating with the real one imports torch's dynamo and inductor: 3.1 of the 6.2 s a process
-    spends importing megatron-core on the 2-core machine. The cpu profile turns every such fusion
-    off (megatron_workers/model.py: gradient accumulation, masked softmax, bias activation, bias
-    dropout and rope fusions are gpu-only; its RMSNorm is torch's own), so none of the decorated
-    functions runs in it; they would run eagerly, with the same math, if one did. Nothing to do
+    spends importing megatron-core on the 2-core machine. The decorated functions run eagerly, with
+    the same math: on the cpu profile only the SwiGLU's (megatron_workers/model.py: masked softmax,
+    bias dropout and rope fusions are gpu-only; its RMSNorm is torch's own). Nothing to do
     when megatron-core is already imported."""
     import sys
 
@@ -208,7 +207,33 @@ def apply_cpu_compat() -> None:
         raise RuntimeError("megatron.core.optimizer.clip_grads does not use megatron's local multi_tensor_scale: "
                            "the cpu compat layer targets megatron-core 0.16.1 without apex")
     clip_grads.multi_tensor_scale_impl = multi_tensor_scale_in_place
+
+    # 10. megatron's fused SwiGLU (the config's bias_activation_fusion, model.py) keeps only its input,
+    #     linear_fc1's output, for the backward; the unfused activation (mlp.py's glu) keeps silu(gate)
+    #     and `up + glu_linear_offset` besides (2 x 3.6 MB per layer for SmolLM2's 620 tokens of a step,
+    #     218 MB over its 30 layers). Its backward helper, written for torch.compile, recomputes the
+    #     sigmoid twice and runs ~10 elementwise ops eagerly; swiglu_back_as_autograd is the unfused
+    #     path's own backward (silu_backward and two products) on the recomputed silu.
+    from megatron.core.fusions import fused_bias_swiglu
+
+    if not hasattr(fused_bias_swiglu, "swiglu_back"):
+        raise RuntimeError("megatron.core.fusions.fused_bias_swiglu has no swiglu_back: the cpu compat layer "
+                           "targets megatron-core 0.16.1")
+    fused_bias_swiglu.swiglu_back = swiglu_back_as_autograd
     _applied = True
+
+
+def swiglu_back_as_autograd(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``silu(y_1) * y_2`` (``y_1, y_2 = chunk(y, 2, -1)``) with respect to ``y``, as
+    autograd computes it for the unfused activation: ``silu_backward(g * y_2, y_1)`` for the gate,
+    ``g * silu(y_1)`` for the up projection, each written into its half of one buffer. Equal to the
+    unfused backward to the bit (tests/test_megatron_cpu_compat.py)."""
+    y_1, y_2 = torch.chunk(y, 2, -1)
+    grad = torch.empty_like(y)
+    grad_1, grad_2 = torch.chunk(grad, 2, -1)
+    torch.ops.aten.silu_backward.grad_input(g * y_2, y_1, grad_input=grad_1)
+    torch.mul(g, torch.nn.functional.silu(y_1), out=grad_2)
+    return grad
 
 
 def multi_tensor_scale_in_place(chunk_size, noop_flag, tensor_lists, scale) -> None:

@@ -34,6 +34,26 @@ CHECKS = textwrap.dedent("""
     a, b = torch.chunk(y + 1.0, 2, -1)
     assert torch.equal(bias_swiglu(y, torch.ones(8)), torch.nn.functional.silu(a) * b)
     assert torch.compile.__module__ == "torch"
+    # megatron's fused SwiGLU (bias_activation_fusion), the cpu profile's activation: its forward and
+    # its backward (the cpu layer's swiglu_back) equal the unfused activation's autograd to the bit,
+    # and it keeps only its input for the backward, not silu(gate) and the up half as well.
+    from megatron.core.fusions import fused_bias_swiglu
+    from megatron_workers.cpu_compat import swiglu_back_as_autograd
+    assert fused_bias_swiglu.swiglu_back is swiglu_back_as_autograd
+    gen = torch.Generator().manual_seed(2)
+    for shape in ((5, 2, 16), (155, 4, 3072), (7, 2002)):
+        y = (3 * torch.randn(shape, generator=gen)).requires_grad_(True)
+        grad_out = torch.randn(*shape[:-1], shape[-1] // 2, generator=gen)
+        gate, up = torch.chunk(y, 2, -1)
+        unfused = torch.nn.functional.silu(gate) * (up + 0.0)  # megatron's glu, glu_linear_offset 0
+        unfused.backward(grad_out)
+        y2 = y.detach().clone().requires_grad_(True)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            fused = fused_bias_swiglu.bias_swiglu_impl(y2, None)
+        fused.backward(grad_out)
+        assert torch.equal(fused, unfused) and torch.equal(y2.grad, y.grad), shape
+        assert len(saved) == 1 and saved[0].data_ptr() == y2.data_ptr(), [t.shape for t in saved]
 
     # megatron's literal device="cuda" allocations land on the CPU ...
     assert schedules.torch.zeros([], dtype=torch.int, device="cuda").device.type == "cpu"
