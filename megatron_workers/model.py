@@ -102,8 +102,8 @@ def transformer_config(hf: HFModelSpec, profile: str, dtype: str, tp: int, pp: i
         # compat layer's GEMM in slabs on cpu (cpu_compat.py, step 7).
         gradient_accumulation_fusion=True,
         masked_softmax_fusion=gpu,
-        # SwiGLU as one autograd function that keeps only its input: TE's on gpu, megatron's own with
-        # the cpu compat layer's backward on cpu (cpu_compat.py, step 10).
+        # SwiGLU as megatron's one autograd function that keeps only its input: torch.compile'd on gpu,
+        # eager with the cpu compat layer's backward on cpu (cpu_compat.py, step 10).
         bias_activation_fusion=True,
         bias_dropout_fusion=gpu,
         # TE's fused RoPE refuses a per-row table ([s, b, 1, d] with b > 1: "expected the second and third
