@@ -211,6 +211,12 @@ class WeightSyncWorkerExtension:
 
         for module in _tied_gemm_modules(self.model_runner.get_model()):
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+        # The reload's temporaries (the HF tensors copied out of the buckets, each layer rebuilt and
+        # prepacked again) are freed by now, but glibc keeps the freed pages inside its heap, and each
+        # sync's temporaries land elsewhere in it: the engine's RSS crept up sync by sync. Handing them
+        # back lowered its peak by ~100-160 MB on the SmolLM2 job (docs/cpu-profile.md, "Where a
+        # reload's time goes").
+        return_freed_heap()
 
     # ------------------------------------------------------------------ checks
     def rlx_weight_checksums(self) -> dict[str, float] | None:
@@ -228,6 +234,18 @@ class WeightSyncWorkerExtension:
         if getattr(self, "_rlx_reader", None) is not None:
             self._rlx_reader.close()
         self._rlx_reader = None
+
+
+def return_freed_heap() -> bool:
+    """Hands the free pages inside glibc's heaps back to the kernel (``malloc_trim(0)``); what is
+    allocated stays as it is. False, and nothing done, under a C library without malloc_trim."""
+    import ctypes
+
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is None:
+        return False
+    trim(0)
+    return True
 
 
 # ---------------------------------------------------------------------- vLLM <-> HF names

@@ -149,6 +149,41 @@ def test_plan_must_cover_the_model(setups):
         pool.init_weight_sync([_link(0, 2)], plan)
 
 
+FREED_HEAP = """
+import os, sys, torch
+from rollout.worker_extension import return_freed_heap
+
+def rss_mib():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+
+# 4,000 blocks of 64 KiB, below glibc's mmap threshold: ~250 MiB inside the heap, and one block after
+# them, so that freeing them leaves the heap's top in use and glibc itself returns nothing.
+blocks = [torch.ones(16 << 10) for _ in range(4000)]
+last = torch.ones(16 << 10)
+del blocks
+before = rss_mib()
+assert return_freed_heap()
+after = rss_mib()
+assert before - after > 150, (before, after)
+assert float(last.sum()) == 16 << 10
+print("ok")
+"""
+
+
+def test_a_reload_hands_the_freed_heap_back():
+    """After a reload (the cpu profile's prepacked engines) the worker returns the free pages of its
+    heap to the kernel: the freed temporaries of one sync no longer stay resident into the next."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-c", FREED_HEAP], capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
 def test_only_the_expected_reload_warnings_are_dropped():
     """vLLM's reload warns "<layer>: Failed to load weights" for each layer that got no tensor: the
     rotary layer always (its cache is its own), a tied lm_head once the plan check has seen the tie
