@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--top", type=int, default=10, help="with --suggest: how many layouts to show")
     plan.add_argument("--memory-gb", type=float,
                       help="with --suggest on the cpu profile: only layouts whose actor ranks need at most this much "
-                           "host memory together")
+                           "host memory together for their tensors (each rank's process adds ~0.5 GB of its own)")
     plan.add_argument("--calibrate", action="store_true",
                       help="with --suggest on the cpu profile: measure the cost model's constants on this machine")
     plan.add_argument("--actor-pools", type=_pool_sizes, metavar="N[,N...]",

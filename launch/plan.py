@@ -393,7 +393,19 @@ def format_plan(plan: Plan, cfg) -> str:
     for r in plan.roles:
         for note in r.notes[(1 if r.role == "rollout" else 0):]:
             lines.append(f"{r.role}: {note}")
+    if plan.device == "cpu":
+        lines.append(CPU_PROCESS_NOTE)
     return "\n".join(lines)
+
+
+# What the cpu profile's figures leave out: each process's own memory before its tensors. Measured on the
+# SmolLM2 job (AMD 2-vCPU box, 2026-12-06): a Megatron rank's RSS after init less its weights and gradient
+# buffer, 445 MiB as a local process and ~500 MiB as a Ray actor; a vLLM engine's process with torch and
+# vLLM imported, 603 MiB. docs/cpu-profile.md ("What `rlx plan` counts on the cpu profile").
+CPU_RANK_PROCESS = "~0.5 GB per Megatron rank (python, torch, megatron-core, gloo, Ray's worker)"
+CPU_PROCESS_NOTE = (f"cpu profile: the GB above are tensors only; each process adds its own: {CPU_RANK_PROCESS} "
+                    "and ~0.6 GB per vLLM engine (torch and vLLM imported), which also holds a prepacked copy of "
+                    "its linear weights with rollout.cpu_prepack")
 
 
 # --------------------------------------------------------------------------------------- suggest
@@ -867,6 +879,8 @@ def format_cpu_suggestions(s: CpuSuggestions, cfg) -> str:
     if s.spec_rank != 1:
         lines.append("#1 as overrides: " + " ".join(s.best[0].overrides(pool_name)))
     lines += refusals
+    lines.append(f"actor GB: the ranks' tensors only (weights, gradients, Adam state, activations); each rank's "
+                 f"process adds its own, {CPU_RANK_PROCESS}")
     k = s.constants
     lines += ["", f"""cpu cost model (the actor's seconds per step, to rank layouts; docs/cpu-profile.md compares it with
 measured steps):

@@ -164,7 +164,7 @@ def test_real_specs_validate_and_plan_here(name, capsys):
     assert rlx(["plan", SPECS[name]]) == 0
     out = capsys.readouterr().out
     assert "role       pool" in out and "params/GPU" in out and "kv cache" in out
-    assert "fits: every pool is within its GPU memory" in out
+    assert "fits: every pool is within its GPU memory" in out and "tensors only" not in out
     roles = {line.split()[0] for line in out.splitlines() if line.split()[:1] in (["actor"], ["rollout"], ["critic"])}
     assert roles == ({"actor", "rollout", "critic"} if name.startswith("ppo") else {"actor", "rollout"})
 
@@ -305,6 +305,11 @@ def test_cpu_suggest_ranks_every_valid_actor_layout_and_balances_the_head(tmp_pa
     out = capsys.readouterr().out
     assert "the 3 best of" in out and "cpu cost model" in out and "the spec's own layout ranks #1" in out
     assert "within 4 GB of host memory" in out
+    # The cpu profile's GB are tensors; both outputs say what each process adds on top.
+    assert "actor GB: the ranks' tensors only" in out and "~0.5 GB per Megatron rank" in out
+    assert rlx(["plan", CPU_SPEC, *_cpu_spec(tmp_path, *TWO_STAGES)]) == 0
+    out = capsys.readouterr().out
+    assert "cpu profile: the GB above are tensors only" in out and "~0.6 GB per vLLM engine" in out
     # --calibrate belongs to --suggest on the cpu profile.
     assert rlx(["plan", CPU_SPEC, *_cpu_spec(tmp_path), "--calibrate"]) == 2
     assert "--calibrate belongs to the cpu profile's cost model" in capsys.readouterr().err
