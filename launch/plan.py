@@ -394,7 +394,7 @@ def format_plan(plan: Plan, cfg) -> str:
         for note in r.notes[(1 if r.role == "rollout" else 0):]:
             lines.append(f"{r.role}: {note}")
     if plan.device == "cpu":
-        lines.append(CPU_PROCESS_NOTE)
+        lines.append(cpu_process_note(engines=ro is not None))
     return "\n".join(lines)
 
 
@@ -403,9 +403,15 @@ def format_plan(plan: Plan, cfg) -> str:
 # buffer, 445 MiB as a local process and ~500 MiB as a Ray actor; a vLLM engine's process with torch and
 # vLLM imported, 603 MiB. docs/cpu-profile.md ("What `rlx plan` counts on the cpu profile").
 CPU_RANK_PROCESS = "~0.5 GB per Megatron rank (python, torch, megatron-core, gloo, Ray's worker)"
-CPU_PROCESS_NOTE = (f"cpu profile: the GB above are tensors only; each process adds its own: {CPU_RANK_PROCESS} "
-                    "and ~0.6 GB per vLLM engine (torch and vLLM imported), which also holds a prepacked copy of "
-                    "its linear weights with rollout.cpu_prepack")
+CPU_ENGINE_PROCESS = ("~0.6 GB per vLLM engine (torch and vLLM imported), which also holds a prepacked copy of its "
+                      "linear weights with rollout.cpu_prepack")
+
+
+def cpu_process_note(engines: bool) -> str:
+    """The cpu profile's line under `rlx plan`'s table: what its GB leave out (the engines' part only where
+    the job has engines)."""
+    return (f"cpu profile: the GB above are tensors only; each process adds its own: {CPU_RANK_PROCESS}"
+            + (f" and {CPU_ENGINE_PROCESS}" if engines else ""))
 
 
 # --------------------------------------------------------------------------------------- suggest

@@ -225,6 +225,7 @@ def test_rlx_plan_gives_a_preference_jobs_memory(tiny_model, tmp_path, capsys):
     assert main(["plan", spec]) == 0
     out = capsys.readouterr().out
     assert "batch: 4 pairs x (chosen, rejected) = 8 sequences" in out and "rollout" not in out.split("batch:")[1]
+    assert "~0.5 GB per Megatron rank" in out and "vLLM engine" not in out  # no engines in this job
     assert main(["plan", "--suggest", spec]) == 2
     assert "rlx plan --suggest ranks RL layouts only" in capsys.readouterr().err
 
