@@ -238,14 +238,24 @@ class WeightSyncWorkerExtension:
 
 def return_freed_heap() -> bool:
     """Hands the free pages inside glibc's heaps back to the kernel (``malloc_trim(0)``); what is
-    allocated stays as it is. False, and nothing done, under a C library without malloc_trim."""
+    allocated stays as it is. Under a C library without malloc_trim (not glibc) nothing can be handed
+    back: it says so once, in the engine's log, and returns False."""
     import ctypes
 
     trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
     if trim is None:
+        global _warned_no_trim
+        if not _warned_no_trim:
+            logging.getLogger(__name__).warning(
+                "this process's C library has no malloc_trim (not glibc): the memory a weight reload frees "
+                "stays resident in the engine between syncs")
+            _warned_no_trim = True
         return False
     trim(0)
     return True
+
+
+_warned_no_trim = False
 
 
 # ---------------------------------------------------------------------- vLLM <-> HF names

@@ -167,6 +167,22 @@ assert return_freed_heap()
 after = rss_mib()
 assert before - after > 150, (before, after)
 assert float(last.sum()) == 16 << 10
+
+# Without malloc_trim (a C library other than glibc) it says so once and does nothing.
+import ctypes, logging
+from rollout import worker_extension
+records = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append(record.getMessage())
+logging.getLogger("rollout.worker_extension").addHandler(Keep())
+class NoTrim:
+    pass
+real_cdll = ctypes.CDLL
+ctypes.CDLL = lambda name: NoTrim()
+assert not return_freed_heap() and not return_freed_heap()
+ctypes.CDLL = real_cdll
+assert len(records) == 1 and "no malloc_trim" in records[0], records
 print("ok")
 """
 
