@@ -49,15 +49,19 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
     d log p(target) / d s_j = [j == target] - p_j and d H / d s_j = -p_j (log p_j + H), and
     d / d logits = (d / d s) / T.
 
-    One new [.., V/TP] buffer: logits / T, which becomes s, then the saved log-softmax, then (in the
-    backward) the gradient. exp s and p are made ``rows_per_pass`` rows at a time, a few MB that
+    One [.., V/TP] buffer: logits / T, which becomes s, then the saved log-softmax, then (in the
+    backward) the gradient. It is a new one, or with ``overwrite`` the caller's fp32 logits themselves
+    (divided in place: no second vocabulary-wide buffer, ~90 MB and ~0.1 s of a SmolLM2 update on the
+    CPU, where a fresh buffer is mostly page faults); autograd is not told, which is sound only because
+    no node reads the logits afterwards (megatron's output layer saves its input and weight, not its
+    output) and the caller never reads them again. exp s and p are made ``rows_per_pass`` rows at a time, a few MB that
     the allocator reuses: on the CPU every fresh vocabulary-wide buffer (~100 MB for 500 scored
     positions of a 49152 vocabulary) is pages the kernel faults in and zeroes, and glibc maps one
     above 32 MiB fresh every time; on a GPU it is memory. The same operations on every element in
     the same order as the out-of-place formulas: equal to the bit on the CPU (tested)."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, temperature: float, tp_group):
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, temperature: float, tp_group, overwrite: bool):
         tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
         tp_rank = dist.get_rank(tp_group) if tp_size > 1 else 0
         vocab_local = logits.shape[-1]
@@ -65,8 +69,10 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         in_range = (local_target >= 0) & (local_target < vocab_local)
         local_target = torch.where(in_range, local_target, torch.zeros_like(local_target))
 
-        # Never the caller's buffer: a new fp32 one (the division, or the cast and then the division).
-        scaled = logits.div(temperature) if logits.dtype == torch.float32 else logits.float().div_(temperature)
+        if overwrite and logits.dtype == torch.float32 and logits.is_contiguous():
+            scaled = logits.div_(temperature)
+        else:  # a new fp32 buffer: the division, or the cast and then the division
+            scaled = logits.div(temperature) if logits.dtype == torch.float32 else logits.float().div_(temperature)
         logits_max = scaled.max(dim=-1).values
         if tp_size > 1:
             dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=tp_group)
@@ -110,16 +116,19 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
             log_p.add_(h).mul_(g_ent).add_(g_lp).mul_(probs).neg_()
         grad = log_softmax
         grad.scatter_add_(-1, local_target.unsqueeze(-1), (grad_logprob * in_range).unsqueeze(-1))
-        return grad.div_(ctx.temperature), None, None, None
+        return grad.div_(ctx.temperature), None, None, None, None
 
 
-def vocab_parallel_logprobs(logits: torch.Tensor, target: torch.Tensor, tp_group=None, temperature: float = 1.0):
+def vocab_parallel_logprobs(logits: torch.Tensor, target: torch.Tensor, tp_group=None, temperature: float = 1.0,
+                            overwrite_logits: bool = False):
     """(log p(target), entropy), each shaped like ``target``, of the softmax of ``logits`` /
     ``temperature``, from ``logits`` [..., vocab / TP] that hold this TP rank's contiguous slice of the
-    vocabulary (rank r: [r V/TP, (r+1) V/TP)). ``logits`` is not modified."""
+    vocabulary (rank r: [r V/TP, (r+1) V/TP)). ``logits`` is not modified, unless ``overwrite_logits``:
+    then contiguous fp32 logits become the function's working buffer (for a caller that hands over the
+    model's fresh output and never reads it again; _VocabParallelLogProbEntropy)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    return _VocabParallelLogProbEntropy.apply(logits, target, float(temperature), tp_group)
+    return _VocabParallelLogProbEntropy.apply(logits, target, float(temperature), tp_group, overwrite_logits)
 
 
 def token_logprobs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0,
@@ -137,11 +146,15 @@ def scored_logprobs_and_entropy(output: torch.Tensor, input_ids: torch.Tensor, i
                                 tp_group=None) -> tuple[torch.Tensor, torch.Tensor]:
     """As ``token_logprobs_and_entropy``, from the output at the scored positions of ``inputs``
     (packing.ModelInputs: ``output`` [1, N, vocab / TP], the n-th scoring token ``inputs.dst[n]``);
-    positions nobody scored hold 0. ``inputs`` None or without a selection: every position."""
+    positions nobody scored hold 0. ``inputs`` None or without a selection: every position.
+
+    For the heads, whose ``output`` is the model's fresh output that megatron's schedule drops after
+    the loss: it is overwritten (``vocab_parallel_logprobs(overwrite_logits=True)``)."""
     if inputs is None or inputs.src is None:
         return token_logprobs_and_entropy(output, input_ids, temperature, tp_group)
     from .packing import scatter_tokens
 
     target = input_ids.reshape(-1).index_select(0, inputs.dst)
-    logprob, entropy = vocab_parallel_logprobs(output.reshape(-1, output.shape[-1]), target, tp_group, temperature)
+    logprob, entropy = vocab_parallel_logprobs(output.reshape(-1, output.shape[-1]), target, tp_group, temperature,
+                                               overwrite_logits=True)
     return scatter_tokens(logprob, inputs), scatter_tokens(entropy, inputs)

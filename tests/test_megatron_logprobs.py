@@ -88,3 +88,33 @@ def test_row_passes_equal_the_whole_buffer_formulas_to_the_bit():
     assert (exp == 0).float().mean() > 0.5  # most of the vocabulary flushed: the peaked case
     assert torch.equal(logprob, ref_logprob) and torch.equal(entropy, ref_entropy)
     assert torch.equal(grad, ref_grad)
+
+
+def test_overwriting_the_logits_gives_the_same_values_and_gradients_to_the_bit():
+    """The heads hand over the output layer's fresh logits (overwrite_logits=True): they become the
+    working buffer instead of a second vocabulary-wide one. Values and the gradients that reach the
+    projection's input and weight are those of the copying path, bit for bit; the handed-over buffer
+    no longer holds the logits (the caller's side of the contract), and logits that are not contiguous
+    are left as they were."""
+    from megatron_workers.logprobs import vocab_parallel_logprobs
+
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(45, 16, generator=g).requires_grad_()
+    weight = (3.0 * torch.randn(4096, 16, generator=g)).requires_grad_()
+    target = torch.randint(0, 4096, (45,), generator=g)
+    w_lp, w_ent = torch.randn(45, generator=g), torch.randn(45, generator=g)
+    results = []
+    for overwrite in (False, True):
+        logits = hidden @ weight.t()
+        before = logits.detach().clone()
+        logprob, entropy = vocab_parallel_logprobs(logits, target, None, 0.7, overwrite_logits=overwrite)
+        grads = torch.autograd.grad((logprob * w_lp).sum() + (entropy * w_ent).sum(), (hidden, weight))
+        results.append((logprob, entropy, *grads))
+        assert torch.equal(logits.detach(), before) != overwrite
+    for copied, overwritten in zip(*results):
+        assert torch.equal(copied, overwritten)
+
+    strided = torch.randn(8, 5, 7, generator=g)[:, :-1]
+    copy = strided.clone()
+    vocab_parallel_logprobs(strided, torch.randint(0, 7, (8, 4), generator=g), None, 0.5, overwrite_logits=True)
+    assert torch.equal(strided, copy)
