@@ -54,10 +54,10 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
     (divided in place: no second vocabulary-wide buffer, ~90 MB and ~0.1 s of a SmolLM2 update on the
     CPU, where a fresh buffer is mostly page faults); autograd is not told, which is sound only because
     no node reads the logits afterwards (megatron's output layer saves its input and weight, not its
-    output) and the caller never reads them again. exp s and p are made ``rows_per_pass`` rows at a time, a few MB that
-    the allocator reuses: on the CPU every fresh vocabulary-wide buffer (~100 MB for 500 scored
-    positions of a 49152 vocabulary) is pages the kernel faults in and zeroes, and glibc maps one
-    above 32 MiB fresh every time; on a GPU it is memory. The same operations on every element in
+    output) and the caller never reads them again. exp s and p are made ``rows_per_pass`` rows at a
+    time, a few MB that the allocator reuses: on the CPU every fresh vocabulary-wide buffer (~100 MB
+    for 500 scored positions of a 49152 vocabulary) is pages the kernel faults in and zeroes, and glibc
+    maps one above 32 MiB fresh every time; on a GPU it is memory. The same operations on every element in
     the same order as the out-of-place formulas: equal to the bit on the CPU (tested)."""
 
     @staticmethod
