@@ -11,7 +11,8 @@ memory model follows how the workers run it:
   with ``optim.use_distributed_optimizer`` (megatron's 6 + 12/DP bytes per parameter in bf16);
 - activations: what one micro-batch of ``micro_batch_size`` x (max_prompt_length +
   max_response_length) tokens keeps for the backward, per layer, times the micro-batches a 1F1B
-  pipeline stage holds in flight, plus the fp32 vocab-parallel logits of the last stage; no
+  pipeline stage holds in flight, plus the vocab-parallel logits of the last stage at its scored
+  positions (fp32: the one buffer the log-softmax works in; bf16: and their fp32 copy); no
   activation recomputation (the workers do not enable it);
 - rollout (vLLM): ``gpu_memory_utilization`` of the GPU minus the weights / TP and a profile-run
   reserve is the KV cache; it must hold at least one sequence of the maximal length.
@@ -192,8 +193,9 @@ def _train_role(m: ModelDims, role: str, lay: RoleLayout, dtype: str, device: st
     shape = shape or MicroBatchShape(micro_batch, seq_len, micro_batch * seq_len)
     per_layer = _activation_bytes_per_token_layer(m, lay.tp, device, shape.row_len, wbytes,
                                                   shape.masked) * shape.tokens
-    # fp32 logits and their softmax, at the positions that score a response token only
-    logits = 0.0 if value_head else 2 * shape.scored * (m.vocab / lay.tp) * 4
+    # The logits at the positions that score a response token only: fp32 ones become the log-softmax's
+    # buffer (megatron_workers/logprobs.py, divided in place); bf16 ones beside their fp32 copy.
+    logits = 0.0 if value_head else shape.scored * (m.vocab / lay.tp) * (4 if wbytes == 4 else wbytes + 4)
     worst: Optional[RoleEstimate] = None
     layers = lay.stage_layers(m.layers)
     for stage in range(lay.pp):

@@ -176,7 +176,7 @@ def test_real_specs_validate_and_plan_here(name, capsys):
     ("grpo_qwen2.5_7b_2x8", ["actor.tp=4", "actor.pp=4"],
      "actor.tp*actor.pp=4*4=16 does not divide the 8 GPUs of pool 'actor' (resources.pools.actor=8)"),
     ("grpo_qwen2.5_7b_2x8", ["actor.optim.use_distributed_optimizer=false"],
-     "pool 'actor' needs 95.3 GB per GPU (actor 84.7 + reference 10.6), more than 90% of "
+     "pool 'actor' needs 94.0 GB per GPU (actor 84.1 + reference 10.0), more than 90% of "
      "resources.gpu_memory_gb=80"),
     ("grpo_qwen2.5_32b_8x8", ["rollout.tp=1", "rollout.engines=32"],
      "rollout.tp=1: the model's weights (65.5 GB per GPU) and vLLM's reserve"),
