@@ -188,8 +188,10 @@ print("ok")
 
 
 def test_a_reload_hands_the_freed_heap_back():
-    """After a reload (the cpu profile's prepacked engines) the worker returns the free pages of its
-    heap to the kernel: the freed temporaries of one sync no longer stay resident into the next."""
+    """``return_freed_heap``, which the worker calls after each reload (the cpu profile's prepacked
+    engines; this file's engine cases but tp2 run that path), returns the free pages of the heap to
+    the kernel: the freed temporaries of one sync no longer stay resident into the next. Without
+    malloc_trim it warns once."""
     import os
     import subprocess
     import sys
