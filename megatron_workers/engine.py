@@ -104,6 +104,31 @@ def use_fused_cpu_adam(optimizer) -> None:
         group["fused"] = True
 
 
+def allocate_adam_state(optimizer) -> None:
+    """AdamW's step count and moments for every parameter of megatron's optimizer, made now (the cpu
+    profile, after ``use_fused_cpu_adam``) as torch's fused AdamW makes them at its first step: the
+    same zeros, so every step is equal to the bit. Made lazily, the 2 x 4 bytes per weight fill the
+    holes the first update's freed activations leave in the rank's C heap (``host_malloc: keep``
+    keeps them), so the second update grows the heap again by about its activations: on the SmolLM2
+    job ~160k fresh pages and 2-3.5 s of system time in step 2's update. Made first, they sit below the
+    activations, which reuse their own memory from the first update on (docs/cpu-profile.md)."""
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        adam = chained.optimizer
+        if not isinstance(adam, torch.optim.Adam):  # torch's AdamW is an Adam
+            raise TypeError(f"the cpu profile's optimizer is torch's AdamW; megatron built {type(adam).__name__}")
+        for group in adam.param_groups:
+            if not group["fused"]:
+                raise RuntimeError("allocate_adam_state runs after use_fused_cpu_adam (the fused kernel's "
+                                   "step count is a float32 tensor beside each parameter)")
+            for p in group["params"]:
+                state = adam.state[p]
+                if state:  # a checkpoint's, or a step already taken
+                    continue
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                for key in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ()):
+                    state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
 class MegatronEngine:
     """Construction is cheap (Ray creates the actor); ``init`` joins the world and builds the model and
     must run on every rank of the group at once."""
@@ -286,6 +311,7 @@ class MegatronEngine:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, schedule, o.weight_decay)
         if self.profile == "cpu":
             use_fused_cpu_adam(self.optimizer)
+            allocate_adam_state(self.optimizer)
         # The hooks megatron's schedules call: skip the DP all-reduce on all but the last micro-batch,
         # then reduce gradients over DP (and the tied embedding over the first/last PP stages).
         no_sync = [ddp.no_sync for ddp in self.ddp_chunks]
