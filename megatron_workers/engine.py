@@ -111,7 +111,9 @@ def allocate_adam_state(optimizer) -> None:
     holes the first update's freed activations leave in the rank's C heap (``host_malloc: keep``
     keeps them), so the second update grows the heap again by about its activations: on the SmolLM2
     job ~160k fresh pages and 2-3.5 s of system time in step 2's update. Made first, they sit below the
-    activations, which reuse their own memory from the first update on (docs/cpu-profile.md)."""
+    activations, which reuse their own memory from the first update on (docs/cpu-profile.md).
+    Not megatron's ``init_state_fn``: it makes the moments without the step count, which torch's
+    AdamW then never adds (it makes a parameter's state only when the state is empty)."""
     for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
         adam = chained.optimizer
         if not isinstance(adam, torch.optim.Adam):  # torch's AdamW is an Adam

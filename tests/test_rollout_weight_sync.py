@@ -189,7 +189,7 @@ print("ok")
 
 def test_a_reload_hands_the_freed_heap_back():
     """``return_freed_heap``, which the worker calls after each reload (the cpu profile's prepacked
-    engines; this file's engine cases but tp2 run that path), returns the free pages of the heap to
+    engines; every engine case of this file but tp2 runs that path), returns the free pages of the heap to
     the kernel: the freed temporaries of one sync no longer stay resident into the next. Without
     malloc_trim it warns once."""
     import os
