@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         # A spec for another machine (model.hf_config, no model folder here) is checked without its files.
         layout = validate(cfg, require_files=True if args.command == "train" else None)
         if args.command == "validate" and not for_another_machine(cfg):
-            _check_datasets(cfg)  # `train` reads them anyway, before Ray starts
+            _check_datasets(cfg)  # `train` reads them anyway, before any role starts
         if args.command == "plan":
             if cfg.algorithm.type != "rl" and args.suggest:
                 raise ConfigError(f"rlx plan --suggest ranks RL layouts only (its cost model times rollouts), not "

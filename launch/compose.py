@@ -1,7 +1,7 @@
 """The composition root: the one place that knows which class plays which role.
 
-``build_trainer`` loads the task (tokenizer, datasets, reward function: bad inputs fail before Ray
-starts), starts Ray and the resource pools, builds each role from its spec (Megatron groups with the
+``build_trainer`` loads the task (tokenizer, datasets, reward function) while Ray starts, so that bad
+inputs fail before any role starts, then starts the resource pools, builds each role from its spec (Megatron groups with the
 LM or value head, the vLLM rollout pool), connects the weight sync between the actor and the
 engines, and hands it all to ``rlcore.trainer.Trainer``, which knows the roles only as protocols.
 """
@@ -247,15 +247,27 @@ def build_preference_roles(cfg: JobConfig, layout: JobLayout) -> Roles:
     return roles
 
 
+def load_while_ray_starts(load: Callable[[], Any], cfg: JobConfig, layout: JobLayout) -> Any:
+    """``load()`` (the task: mostly transformers' imports behind AutoTokenizer, 3-4 s of one core on a
+    2-core box) in a thread while this thread starts Ray, whose start-up (4-5 s there) is mostly its own
+    processes coming up and this one waiting: the two overlap instead of adding up. Its error (a bad
+    row, a reward function that cannot be imported) is raised once Ray is up, before any role starts;
+    the caller's Ray shutdown follows."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlx-task") as pool:
+        task = pool.submit(load)
+        start_ray(layout.device, layout.total_gpus, cfg.resources.ray_address, cfg.resources.num_cpus)
+        return task.result()
+
+
 def build_trainer(cfg: JobConfig, layout: JobLayout):
     checkpoint.seed_everything(cfg.trainer.seed)  # python, numpy, torch of the controller
     if cfg.algorithm.type != "rl":  # DPO / reward-model training on preference pairs
         from rlcore.preference import PreferenceTrainer
         from rlcore.preference_data import load_preference_task
 
-        task = load_preference_task(cfg)
+        task = load_while_ray_starts(lambda: load_preference_task(cfg), cfg, layout)
         return PreferenceTrainer(cfg, task, build_preference_roles(cfg, layout))
-    task = load_task(cfg)
+    task = load_while_ray_starts(lambda: load_task(cfg), cfg, layout)
     return Trainer(cfg, task, build_roles(cfg, layout))
 
 

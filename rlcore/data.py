@@ -255,7 +255,7 @@ class Task:
 
 def load_task(cfg) -> Task:
     """The job's ``Task``; a bad row, a dataset smaller than one batch or a reward function that cannot
-    be loaded fails here, before Ray starts."""
+    be loaded fails here, before any role starts."""
     from transformers import AutoTokenizer
 
     from rlcore.reward import load_reward_fn

@@ -150,7 +150,8 @@ class PreferenceTask:
 
 
 def load_preference_task(cfg) -> PreferenceTask:
-    """The job's ``PreferenceTask``; a bad row or a dataset smaller than one batch fails here, before Ray starts."""
+    """The job's ``PreferenceTask``; a bad row or a dataset smaller than one batch fails here, before any
+    role starts."""
     from transformers import AutoTokenizer
 
     from rlcore.data import PromptDataset

@@ -168,7 +168,7 @@ def test_rlx_validate_and_train_name_a_row_missing_chosen_before_anything_starts
     err = capsys.readouterr().err.strip()
     assert err == (f"rlx validate: {train} row 2 (line 3): 'chosen' must be the completion as a string or a list "
                    "of messages whose last is the assistant's, got null")
-    assert main(["train", spec]) == 1  # the task loads before Ray starts
+    assert main(["train", spec]) == 1  # the task loads before any role starts
     assert f"{train} row 2 (line 3): 'chosen'" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
 
