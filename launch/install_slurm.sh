@@ -78,6 +78,9 @@ JobAcctGatherType=jobacct_gather/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
+# A pending job (a requeued one once cred_expire has passed) is looked at every 2 s, not every 30-60 s
+# (Slurm's defaults: bf_interval 30, sched_interval 60): cheap with one node and a few jobs.
+SchedulerParameters=sched_interval=2,bf_interval=2
 MpiDefault=none
 ReturnToService=2
 KillWait=10
