@@ -8,6 +8,7 @@ engines, and hands it all to ``rlcore.trainer.Trainer``, which knows the roles o
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import replace
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Callable
@@ -276,12 +277,21 @@ def run(cfg: JobConfig, layout: JobLayout) -> list[dict]:
     import ray
 
     os.makedirs(cfg.trainer.run_dir, exist_ok=True)
+    report = None
     try:
         trainer = build_trainer(cfg, layout)
         try:
             return trainer.fit()
         finally:
+            # <run_dir>/report.png, also after a failure. metrics.jsonl is complete once fit is done (a
+            # flushed line per step), so it is drawn (1-2 s of one core) while the roles and Ray stop,
+            # which is mostly waiting on their processes.
+            report = threading.Thread(target=write_after_run, args=(cfg.trainer.run_dir,), name="rlx-report")
+            report.start()
             trainer.shutdown()
     finally:
         ray.shutdown()
-        write_after_run(cfg.trainer.run_dir)  # <run_dir>/report.png, also after a failure
+        if report is None:  # the roles did not start: nothing to overlap with
+            write_after_run(cfg.trainer.run_dir)
+        else:
+            report.join()
