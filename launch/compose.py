@@ -1,9 +1,10 @@
 """The composition root: the one place that knows which class plays which role.
 
 ``build_trainer`` loads the task (tokenizer, datasets, reward function) while Ray starts, so that bad
-inputs fail before any role starts, then starts the resource pools, builds each role from its spec (Megatron groups with the
-LM or value head, the vLLM rollout pool), connects the weight sync between the actor and the
-engines, and hands it all to ``rlcore.trainer.Trainer``, which knows the roles only as protocols.
+inputs fail before any role starts, then starts the resource pools, builds each role from its spec
+(Megatron groups with the LM or value head, the vLLM rollout pool), connects the weight sync between
+the actor and the engines, and hands it all to ``rlcore.trainer.Trainer``, which knows the roles only
+as protocols.
 """
 from __future__ import annotations
 
