@@ -71,10 +71,9 @@ def start_ray(device: str, total_gpus: int, address: str | None = None, num_cpus
     try:
         if device == "cpu":
             # Logical GPUs, and a small object store: batches are small and RAM is shared with every
-            # worker on a laptop-sized box. No idle workers started ahead: every role's actor asks for
-            # a logical GPU and an environment of its own, so Ray starts a process for it anyway; the
-            # two idle ones (one per CPU) took ~1.2 CPU-s of a 2-core box's start-up, and their memory
-            # for the whole run, for nothing.
+            # worker on a laptop-sized box. No idle workers started ahead: the two Ray started (one per
+            # CPU) were never used (each role's actor came up in a new process of its own) and took
+            # ~1.2 CPU-s of a 2-core box's start-up, and their memory for the whole run.
             ray.init(num_gpus=total_gpus, num_cpus=num_cpus or os.cpu_count(),
                      object_store_memory=512 * 1024 ** 2, _system_config={"prestart_worker_first_driver": False},
                      **kwargs)
