@@ -5,7 +5,7 @@ claim (the trained weights, synced, score exactly as the actor's): a second step
 the first on the synced weights, which the fixed-sequence check covers, and that a step samples
 from the last synced version is tests/test_e2e.py's (rollout/weight_version).
 
-The converted checkpoint is cached in <repo>/.cache/smollm2-135m-instruct (made once, ~30 s)."""
+The converted checkpoint is cached in <repo>/.cache/smollm2-135m-instruct (made once, ~20 s)."""
 from __future__ import annotations
 
 import json
@@ -65,6 +65,38 @@ def test_converted_checkpoint_is_smollm2_and_answers_arithmetic(smollm2):
     with torch.no_grad():
         loss = model(input_ids=ids, labels=ids).loss
     assert torch.exp(loss).item() < 50.0, torch.exp(loss).item()
+
+
+def test_the_conversion_reads_the_gguf_once_and_restores_the_gguf_module(tmp_path):
+    """gguf_read_once: the same path gives the same parsed reader, another file its own; the name maps
+    are memoized; on exit (an exception included) the gguf module is as it was."""
+    import gguf
+    from gguf import GGUFWriter
+
+    from launch.assets.smollm2 import gguf_read_once
+
+    paths = []
+    for i in range(2):
+        writer = GGUFWriter(str(tmp_path / f"m{i}.gguf"), "llama")
+        writer.add_block_count(i + 1)
+        writer.add_tensor("token_embd.weight", torch.full((2, 4), float(i)).numpy())
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        paths.append(str(tmp_path / f"m{i}.gguf"))
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with pytest.raises(RuntimeError, match="inside"):
+        with gguf_read_once():
+            first = gguf.GGUFReader(paths[0])
+            assert gguf.GGUFReader(os.path.join(str(tmp_path), ".", "m0.gguf")) is first
+            other = gguf.GGUFReader(paths[1])
+            assert other is not first and float(other.tensors[0].data[0, 0]) == 1.0
+            arch = gguf.MODEL_ARCH.LLAMA
+            assert gguf.get_tensor_name_map(arch, 30) is gguf.get_tensor_name_map(arch, 30)
+            raise RuntimeError("inside")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)
+    assert gguf.GGUFReader(paths[0]) is not gguf.GGUFReader(paths[0])
 
 
 def test_a_config_that_is_not_smollm2_is_refused():
