@@ -1,6 +1,7 @@
-"""Shared fixtures: a local Ray cluster with logical GPUs and named pools, one per test module; the
-tiny model and data; and the `rlx train` runs whose results several modules assert on (each run once
-per session: every e2e start-up saved is half a minute of the suite)."""
+"""Shared fixtures: a local Ray cluster with logical GPUs and named pools for the modules that place
+roles in-process (one cluster for all of them, run one after the other); the tiny model and data; and
+the `rlx train` runs whose results several modules assert on (each run once per session: every e2e
+start-up saved is half a minute of the suite)."""
 import faulthandler
 import os
 import subprocess
@@ -15,6 +16,7 @@ _SESSION = pytest.StashKey()
 
 def pytest_sessionfinish(session):
     session.config.stash[_SESSION] = session
+    _stop_shared_ray()
 
 
 @pytest.hookimpl(trylast=True)
@@ -36,23 +38,80 @@ def pytest_unconfigure(config):
     exit_without_teardown(int(session.exitstatus))
 
 
+# The logical GPUs of the in-process cluster: at least the most that one module's pools hold at once
+# (tests/test_layout_matrix.py: 9).
+SHARED_RAY_GPUS = 12
+
+
+class _SharedRay:
+    """Whether this process's Ray cluster was started by ``ray_pools`` (and so is ours to stop), and
+    the modules that use that fixture."""
+    started = False
+    modules: set = set()
+
+
+def _stop_shared_ray() -> None:
+    import ray
+
+    if _SharedRay.started and ray.is_initialized():
+        ray.shutdown()
+    _SharedRay.started = False
+
+
+def _module(item) -> str:
+    return item.nodeid.split("::")[0]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The modules that use ``ray_pools`` run one after the other, where the first of them was
+    (each module's tests in their own order, every other module in its place): they share one Ray
+    cluster, started once instead of once per module (~4 s to start and ~1.5 s to stop each time, on
+    top of the CPU its helper processes take on a 2-core machine)."""
+    ray_modules = {_module(item) for item in items if "ray_pools" in getattr(item, "fixturenames", ())}
+    _SharedRay.modules = ray_modules
+    if not ray_modules:
+        return
+    first = next(i for i, item in enumerate(items) if _module(item) in ray_modules)
+    grouped = [item for item in items if _module(item) in ray_modules]
+    rest = [item for item in items if _module(item) not in ray_modules]
+    items[:] = rest[:first] + grouped + rest[first:]
+
+
+def pytest_runtest_setup(item):
+    """The tests of every other module run with no Ray cluster in this process, as they would alone
+    (``rlx train`` in-process starts its own, sized for its job)."""
+    if _module(item) not in _SharedRay.modules:
+        _stop_shared_ray()
+
+
 @pytest.fixture(scope="module")
 def ray_pools():
-    """``ray_pools(pools, role_pools)`` starts Ray with as many logical GPUs as the pools hold (once
-    per module) and returns the ``ResourcePools``; everything is torn down after the module."""
+    """``ray_pools(pools, role_pools)`` returns the ``ResourcePools`` of those pools on this process's
+    Ray cluster (SHARED_RAY_GPUS logical GPUs, 2 CPUs), started if it is not up; the module's pools
+    are removed after the module (their placement groups, and so every actor placed in them). The
+    cluster stays up for the next module that uses this fixture (pytest_collection_modifyitems runs
+    them one after the other) and is stopped before a test of any other module (pytest_runtest_setup).
+    A test that stops Ray itself (``rlx train`` in-process) takes the module's pools with it; the next
+    call starts the cluster again."""
     import ray
 
     made = []
 
     def start(pools: dict[str, int], role_pools: dict[str, str]) -> ResourcePools:
-        start_ray("cpu", total_gpus=sum(pools.values()), num_cpus=2)
+        if sum(pools.values()) > SHARED_RAY_GPUS:
+            raise ValueError(f"pools {pools} hold more than the {SHARED_RAY_GPUS} logical GPUs of the tests' "
+                             f"Ray cluster: raise SHARED_RAY_GPUS in tests/conftest.py")
+        if not ray.is_initialized():
+            made.clear()  # pools of a cluster a test stopped: gone with it
+            start_ray("cpu", total_gpus=SHARED_RAY_GPUS, num_cpus=2)
+            _SharedRay.started = True
         made.append(ResourcePools(pools, role_pools))
         return made[-1]
 
     yield start
-    for pools in made:
-        pools.shutdown()
-    ray.shutdown()
+    if ray.is_initialized():  # a test may have stopped Ray itself: its pools went with it
+        for pools in made:
+            pools.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -28,8 +28,8 @@ from tests.test_rollout_weight_sync import (MAX_LEN, _connect, _senders, _stage_
                                             hf_seq_logprobs)
 
 HOLD_AFTER = 3  # engine steps before the sync: the prefill's token and two more
-# The module's Ray cluster (logical GPUs): the unit tests' engine on a pool of its own, and the free
-# GPUs the e2e run's job reserves for itself (its actor 2, its rollout 1).
+# The module's pools (logical GPUs of the tests' Ray cluster): the unit tests' engine on a pool of its
+# own; the e2e run's job reserves its own (its actor 2, its rollout 1) from the GPUs left free.
 MODULE_POOLS = {"partial": 1, "actor": 2, "rollout": 1}
 
 
@@ -225,7 +225,7 @@ def test_quickstart_with_partial_rollouts(tmp_path, tiny_assets, cluster):
         trainer.fit()
     finally:
         if trainer is not None:
-            trainer.shutdown()  # its pools too; the module's Ray cluster stays up until the module ends
+            trainer.shutdown()  # its pools too; the tests' Ray cluster stays up for the next module
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and len(calls) == 3
     assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]  # the first token's version

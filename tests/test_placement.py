@@ -4,9 +4,12 @@ from rlcore.placement import ResourcePools
 
 
 def test_resource_pools_refuse_more_gpus_than_the_cluster_has(ray_pools):
-    ray_pools({"actor": 1}, {"actor": "actor"})  # starts Ray with 1 logical GPU
-    with pytest.raises(RuntimeError, match=r"need 3 GPUs, but the Ray cluster has 1"):
-        ResourcePools({"actor": 2, "rollout": 1}, {"actor": "actor", "rollout": "rollout"})
+    from tests.conftest import SHARED_RAY_GPUS
+
+    ray_pools({"actor": 1}, {"actor": "actor"})  # the tests' cluster: SHARED_RAY_GPUS logical GPUs
+    with pytest.raises(RuntimeError, match=rf"need {SHARED_RAY_GPUS + 1} GPUs, but the Ray cluster has "
+                                           rf"{SHARED_RAY_GPUS}"):
+        ResourcePools({"actor": SHARED_RAY_GPUS, "rollout": 1}, {"actor": "actor", "rollout": "rollout"})
 
 
 def test_math_threads_are_a_processes_share_of_the_cores():
