@@ -84,10 +84,11 @@ def check_config(config: dict, where: str) -> None:
 def gguf_read_once():
     """While converting: one ``gguf.GGUFReader`` per file and one tensor-name map per (architecture,
     layer count). transformers parses the GGUF three times (tokenizer, config, weights; the 49152-entry
-    vocabulary makes each parse ~4 s) and builds ``gguf.get_tensor_name_map`` once per module of the
-    model (397 times for SmolLM2). Both are pure reads of the same file and arguments: every file written
-    is the same to the byte as without this (compared), and the conversion takes ~18 s instead of ~34 s. transformers imports both names
-    from ``gguf`` inside its functions, so replacing them on the module reaches it; restored on exit."""
+    vocabulary makes each parse seconds of Python) and builds ``gguf.get_tensor_name_map`` once per
+    module of the model (397 times for SmolLM2). Both are pure reads of the same file and arguments:
+    every file written is the same to the byte as without this (compared), and the conversion takes
+    ~18 s instead of ~34 s. transformers imports both names from ``gguf`` inside its functions, so
+    replacing them on the module reaches it; restored on exit."""
     import gguf
 
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
