@@ -104,7 +104,7 @@ def test_the_registry_refuses_a_second_transport_of_one_name():
 def test_a_steps_sync_metrics_take_the_slowest_side_and_sum_the_engines_page_faults():
     """rlcore.weight_sync.sync_metrics: the slowest engine's load and wait, the slowest sender's
     gather + packing and wait, the engines' page faults summed; none without reports, and no fault
-    count unless every engine reported one."""
+    count unless every engine reported one; the checked tensors' count only after a checked sync."""
     from rlcore.weight_sync import sync_metrics
 
     send = [{"gather_s": 0.0, "pack_s": 0.2, "send_wait_s": 1.1}, {"gather_s": 0.5, "pack_s": 0.1, "send_wait_s": 0.7}]
@@ -116,3 +116,27 @@ def test_a_steps_sync_metrics_take_the_slowest_side_and_sum_the_engines_page_fau
     del reports[1]["page_faults"]
     assert "weight_sync/recv_page_faults" not in sync_metrics(reports)
     assert sync_metrics([]) == {}
+    # rollout.check_weights: the count of tensors compared, a deterministic metric.
+    checked = [{**r, "checked_tensors": 272} for r in reports]
+    assert sync_metrics(checked)["weights/checked_tensors"] == 272.0
+    assert "weights/checked_tensors" not in sync_metrics(reports)
+
+
+def test_the_checksum_is_the_positional_sum_however_the_tensor_is_chunked(monkeypatch):
+    """``checksum`` (``rollout.check_weights``, both sides of a sync) is sum(x) + sum(x_i * i / n) in
+    float64 over the flattened tensor, 1-based i, taken in chunks: across several chunks and a short
+    last one it equals the formula on the whole tensor, a swap of two values changes it, and the same
+    tensor gives the same bits (as the sender and an engine each compute it)."""
+    from rlcore.weight_sync import checks
+
+    monkeypatch.setattr(checks, "CHECKSUM_CHUNK", 64)  # 37 x 11 = 407 elements: 7 chunks, the last of 23
+    x = torch.randn(37, 11, generator=torch.Generator().manual_seed(0))
+    flat = x.double().reshape(-1)
+    pos = torch.arange(1, flat.numel() + 1, dtype=torch.float64) / flat.numel()
+    want = float(flat.sum() + (flat * pos).sum())
+    got = checks.checksum([("w", x)])["w"]
+    assert got == pytest.approx(want, rel=1e-12, abs=1e-12)
+    assert checks.checksum([("w", x.clone())])["w"] == got
+    swapped = x.clone().reshape(-1)
+    swapped[[3, 300]] = swapped[[300, 3]]
+    assert checks.checksum([("w", swapped.reshape(37, 11))])["w"] != pytest.approx(got, rel=1e-9)

@@ -5,14 +5,25 @@ from __future__ import annotations
 import torch
 
 
+CHECKSUM_CHUNK = 1 << 18  # elements: 2 MiB of float64 per temporary
+
+
 def checksum(tensors: list[tuple[str, torch.Tensor]]) -> dict[str, float]:
     """Cheap per-tensor fingerprint: the float64 sum of the values plus their sum weighted by position
-    (so a swap of two values changes it too). Equal tensors give bit-equal fingerprints."""
+    (value i times i / numel, 1-based, so a swap of two values changes it too). Equal tensors give
+    bit-equal fingerprints. Taken ``CHECKSUM_CHUNK`` elements at a time: the float64 copy and the
+    weights of a whole tensor (SmolLM2's 28M-element embedding: two 226 MB temporaries) are made and
+    faulted in for one pass each, ~8x slower than chunks that stay in the cache."""
     out = {}
     for name, t in tensors:
-        x = t.detach().double().reshape(-1)
-        w = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device) / x.numel()
-        out[name] = float(x.sum() + (x * w).sum())
+        x = t.detach().reshape(-1)
+        n = x.numel()
+        total = torch.zeros((), dtype=torch.float64, device=x.device)
+        for start in range(0, n, CHECKSUM_CHUNK):
+            part = x[start:start + CHECKSUM_CHUNK].double()
+            w = torch.arange(start + 1, start + part.numel() + 1, dtype=torch.float64, device=x.device) / n
+            total += part.sum() + (part * w).sum()
+        out[name] = float(total)
     return out
 
 

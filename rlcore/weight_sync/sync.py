@@ -61,6 +61,8 @@ def sync_weights(senders: WeightSender, receivers: WeightReceiver, version: int,
             expected.update(s["checksums"])
             order.extend(s["checksums"])
         check_engines(expected, receivers.weight_checksums(), order)
+        for r in reports:
+            r["checked_tensors"] = len(expected)
     return reports
 
 
@@ -70,7 +72,9 @@ def sync_metrics(reports: list) -> dict[str, float]:
     slowest sender's packing (``pack_s``: TP gather and renaming included) and wait (``send_wait_s``:
     for the receivers to take its buckets), and the minor page faults of the receiving processes
     during the sync, summed (``recv_page_faults``: pages the kernel had to map and zero-fill, each
-    a few microseconds; on the cpu profile a reload allocates most of the model afresh)."""
+    a few microseconds; on the cpu profile a reload allocates most of the model afresh). With
+    ``rollout.check_weights``, ``weights/checked_tensors``: how many tensors each engine's checksums
+    were compared on (a machine-independent count, so not under ``weight_sync/``)."""
     if not reports:
         return {}
     sent = reports[0].get("send", [])
@@ -81,6 +85,8 @@ def sync_metrics(reports: list) -> dict[str, float]:
         m["weight_sync/send_wait_s"] = max(s["send_wait_s"] for s in sent)
     if all("page_faults" in r for r in reports):
         m["weight_sync/recv_page_faults"] = float(sum(r["page_faults"] for r in reports))
+    if all("checked_tensors" in r for r in reports):
+        m["weights/checked_tensors"] = float(min(r["checked_tensors"] for r in reports))
     return m
 
 
