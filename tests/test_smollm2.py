@@ -169,7 +169,7 @@ def test_a_grpo_step_keeps_engine_and_trainer_in_agreement(smollm2, math_data, t
         assert metrics["rollout/weight_version"] == 0 and metrics["weights/version"] == 1
         assert abs(metrics["actor/ppo_kl"]) < 1e-6  # on-policy
         # The sync was checked tensor by tensor: 30 layers x 9 HF tensors, the embedding, the final norm
-        # (the tied head is the embedding, sent by both stages and counted once).
+        # (the tied head is the embedding: no HF tensor of its own).
         assert metrics["weights/checked_tensors"] == 30 * 9 + 2
 
         # After the sync: fixed sequences (a prompt and a continuation) score the same in both.
