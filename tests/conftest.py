@@ -51,9 +51,11 @@ class _SharedRay:
 
 
 def _stop_shared_ray() -> None:
+    if not _SharedRay.started:  # called before every test of the other modules: no Ray import there
+        return
     import ray
 
-    if _SharedRay.started and ray.is_initialized():
+    if ray.is_initialized():
         ray.shutdown()
     _SharedRay.started = False
 
