@@ -1,7 +1,8 @@
 """Where the actor's update spends its time: the job's real batches, then the update alone, rank by rank.
 
     .venv/bin/python -m bench.update_breakdown yaml_configs/smollm2_math_cpu.yaml --steps 3
-        [--profile] [--malloc glibc,keep,keep-trim] [--batches FILE] [key.sub=value ...]
+        [--rounds K] [--per-update] [--profile] [--malloc glibc,keep,keep-trim] [--batches FILE]
+        [key.sub=value ...]
 
 First ``--steps`` steps of the job run as in ``bench/e2e_step.py`` (Ray, Megatron, vLLM) and the
 batches the actor's update receives are kept; everything then shuts down. The actor's world is then
@@ -24,6 +25,12 @@ pages the last one freed), the two values of ``resources.host_malloc`` set as th
 and ``keep-trim`` (``keep``, then ``malloc_trim(0)`` after every update, the pages back to the kernel
 between steps; the trim counts in the update's time, under "other"). A row gives a hash of each stage's weights after the replay: the same in every mode.
 docs/cpu-profile.md, "Host memory", has what each costs.
+
+``--rounds K`` replays the kept batches K times over after the warm-up (the medians then over all
+K x ``--steps`` updates): whether an update's cost depends on the batch or on what the updates before
+it left in the heap. ``--per-update`` adds a row per replayed update: its batch, time, system CPU and
+minor page faults in each rank, and its start and end on CLOCK_MONOTONIC (the clock of ``perf report
+--time``, to look at one update of a ``perf record`` taken over the replay).
 
 ``--profile`` also writes torch.profiler's op table of each rank's last update to
 ``<trainer.run_dir>-breakdown/profile_rank<r>.txt``.
@@ -119,15 +126,21 @@ def _libc():
     return ctypes.CDLL(None)
 
 
-def _rank(rank: int, spec, port: int, kept: list, profile_dir: str | None, malloc: str, queue) -> None:
+def replay_order(kept: int, rounds: int) -> list[int]:
+    """The kept batches' indices in the order the ranks update on them: batch 0 (the warm-up, not
+    counted), then all of them ``rounds`` times over."""
+    return [0] + list(range(kept)) * rounds
+
+
+def _rank(rank: int, spec, port: int, kept: list, rounds: int, profile_dir: str | None, malloc: str, queue) -> None:
     try:
-        queue.put((rank, _run_rank(rank, spec, port, kept, profile_dir, malloc)))
+        queue.put((rank, _run_rank(rank, spec, port, kept, rounds, profile_dir, malloc)))
     except BaseException as e:  # the parent must not wait forever for a rank that failed
         queue.put((rank, f"{type(e).__name__}: {e}"))
         raise
 
 
-def _run_rank(rank: int, spec, port: int, kept: list, profile_dir: str | None, malloc: str) -> dict:
+def _run_rank(rank: int, spec, port: int, kept: list, rounds: int, profile_dir: str | None, malloc: str) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -156,15 +169,17 @@ def _run_rank(rank: int, spec, port: int, kept: list, profile_dir: str | None, m
     dist.barrier()
     one_thread = matmul_rate(1, seconds=1.0)  # the same moment as the updates, on this rank's core
     runs = []
-    for i, (batch, loss_cfg, head_args) in enumerate([kept[0]] + kept):  # the first: warm-up
+    order = replay_order(len(kept), rounds)
+    for i, b in enumerate(order):  # the first: warm-up
+        batch, loss_cfg, head_args = kept[b]
         shard = Batch(batch).shard(engine.dp_rank, engine.dp)
         dist.barrier()
         table.clear()
         profiler = None
-        if profile_dir and i == len(kept):
+        if profile_dir and i == len(order) - 1:
             profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
             profiler.__enter__()
-        usage0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        usage0, start, t0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic(), time.perf_counter()
         engine.update(shard, loss_cfg, head_args)
         if malloc == "keep-trim":
             _libc().malloc_trim(0)
@@ -176,8 +191,9 @@ def _run_rank(rank: int, spec, port: int, kept: list, profile_dir: str | None, m
             with open(os.path.join(profile_dir, f"profile_rank{rank}.txt"), "w") as f:
                 f.write(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
         if i > 0:
-            runs.append(dict(table, total=total, user=usage.ru_utime - usage0.ru_utime,
-                             system=usage.ru_stime - usage0.ru_stime, faults=usage.ru_minflt - usage0.ru_minflt,
+            runs.append(dict(table, batch=b, start=start, end=start + total, total=total,
+                             user=usage.ru_utime - usage0.ru_utime, system=usage.ru_stime - usage0.ru_stime,
+                             faults=usage.ru_minflt - usage0.ru_minflt,
                              rss_after_mb=rss_after_mb, peak_rss_mb=usage.ru_maxrss / 1024))
     dist.barrier()
     digest = hashlib.sha256()  # the weights after every replayed update: equal across --malloc modes
@@ -205,7 +221,13 @@ def stage_flops(hf, batch: dict, shared_prompt: bool, layers: int, head: bool, d
     return total
 
 
-def _print_table(results: dict, kept: list, hf, shared_prompt: bool, dp: int) -> None:
+def rank_flops(results: dict, kept: list, hf, shared_prompt: bool, dp: int) -> dict[int, list[float]]:
+    """Per rank, its stage's model FLOPs on each kept batch."""
+    return {r: [stage_flops(hf, batch, shared_prompt, res["layers"], res["head"], dp, res["dp_rank"])
+                for batch, _, _ in kept] for r, res in results.items()}
+
+
+def _print_table(results: dict, flops: dict[int, list[float]]) -> None:
     ranks = sorted(results)
     print("| | " + " | ".join(f"rank {r} (pp {results[r]['pp_rank']}, dp {results[r]['dp_rank']}: "
                               f"{results[r]['layers']} layers{' + head' if results[r]['head'] else ''})"
@@ -229,13 +251,27 @@ def _print_table(results: dict, kept: list, hf, shared_prompt: bool, dp: int) ->
     cells = []
     for r in ranks:
         res = results[r]
-        flops = [stage_flops(hf, batch, shared_prompt, res["layers"], res["head"], dp, res["dp_rank"])
-                 for batch, _, _ in kept]
-        rate = sum(flops) / sum(x["fwd"] + x["bwd"] for x in res["runs"])
+        rate = sum(flops[r][x["batch"]] for x in res["runs"]) / sum(x["fwd"] + x["bwd"] for x in res["runs"])
         cells.append(f"{rate / 1e9:.0f} GFLOP/s = {rate / res['matmul_1t']:.2f} x {res['matmul_1t'] / 1e9:.0f}")
     print("| stage FLOPs / (forward + backward) against a one-thread matmul | " + " | ".join(cells) + " |")
     print("| the stage's weights after the replayed updates (sha256) | "
           + " | ".join(f"`{results[r]['weights_sha256']}`" for r in ranks) + " |")
+
+
+def per_update_rows(results: dict, flops: dict[int, list[float]]) -> list[str]:
+    """The ``--per-update`` table: one row per replayed update (not the warm-up), each rank's time,
+    its stage's FLOPs over that whole time (as bench/e2e_step.py rates the update), system CPU and minor
+    page faults, and the update's start and end on CLOCK_MONOTONIC (rank 0's)."""
+    ranks = sorted(results)
+    rows = ["| update | batch | " + " | ".join(f"rank {r}: s, GFLOP/s, system s, faults" for r in ranks)
+            + " | start, end (CLOCK_MONOTONIC, s) |",
+            "|---:|---:|" + "---:|" * len(ranks) + "---|"]
+    for n, first in enumerate(results[ranks[0]]["runs"], start=1):
+        cells = [f"{x['total']:.2f}, {flops[r][x['batch']] / x['total'] / 1e9:.0f}, {x['system']:.2f}, {x['faults']}"
+                 for r, x in ((r, results[r]["runs"][n - 1]) for r in ranks)]
+        rows.append(f"| {n} | {first['batch']} | " + " | ".join(cells)
+                    + f" | {first['start']:.2f}, {first['end']:.2f} |")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -243,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("spec", help="job spec YAML")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     p.add_argument("--steps", type=int, default=3, help="job steps whose batches the updates replay (default 3)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="replay the kept batches this many times over after the warm-up (default 1)")
+    p.add_argument("--per-update", action="store_true",
+                   help="a row per replayed update: batch, time, system CPU, page faults, start and end")
     p.add_argument("--profile", action="store_true", help="torch.profiler op tables of the last update")
     p.add_argument("--malloc", default=None,
                    help="comma-separated allocator modes to replay under, one after the other: glibc (its "
@@ -252,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.steps < 1:
         p.error(f"--steps={a.steps} must be >= 1")
+    if a.rounds < 1:
+        p.error(f"--rounds={a.rounds} must be >= 1")
     modes = a.malloc.split(",") if a.malloc is not None else []
     unknown = [m for m in modes if m not in MALLOC_MODES]
     if unknown:
@@ -296,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
             port = s.getsockname()[1]
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
-        procs = [ctx.Process(target=_rank, args=(r, spec, port, kept, profile_dir, mode, queue))
+        procs = [ctx.Process(target=_rank, args=(r, spec, port, kept, a.rounds, profile_dir, mode, queue))
                  for r in range(spec.world_size)]
         for proc in procs:
             proc.start()
@@ -309,11 +351,16 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"`{a.spec}`{' ' + ' '.join(a.overrides) if a.overrides else ''}: actor TP{lay.tp} PP{lay.pp} DP{lay.dp}"
               f"{' pp_layers ' + str(list(lay.pp_layers)) if lay.pp_layers else ''}, micro-batch {act.micro_batch_size}, "
-              f"{spec.threads} thread(s) per rank, malloc: {mode}{', huge pages' * spec.host_hugepages}; the updates of {len(kept)} job steps replayed "
+              f"{spec.threads} thread(s) per rank, malloc: {mode}{', huge pages' * spec.host_hugepages}; "
+              f"the updates of {len(kept)} job steps replayed{f' {a.rounds} times over' if a.rounds > 1 else ''} "
               f"(medians, s); load average (1 min) at the end: {os.getloadavg()[0]:.1f}")
         print()
-        _print_table(results, kept, hf, act.shared_prompt, lay.dp)
+        flops = rank_flops(results, kept, hf, act.shared_prompt, lay.dp)
+        _print_table(results, flops)
         print()
+        if a.per_update:
+            print("\n".join(per_update_rows(results, flops)))
+            print()
     if profile_dir:
         print(f"\n(op tables: {profile_dir}/profile_rank<r>.txt)")
     return 0

@@ -199,3 +199,22 @@ def test_update_breakdown_keeps_its_batches_as_data_and_replays_them(tmp_path, c
     with pytest.raises(SystemExit):
         main(["yaml_configs/smollm2_math_cpu.yaml", "--steps", "2", "--batches", path])
     assert f"--batches {path} holds 1 batches, fewer than --steps=2" in capsys.readouterr().err
+
+
+def test_update_breakdown_rounds_replay_every_kept_batch_after_one_warm_up(capsys):
+    """--rounds K: batch 0 once (not counted), then every kept batch K times over; the per-update table
+    has one row per counted update, each rank's cells, and the update's place on CLOCK_MONOTONIC."""
+    from bench.update_breakdown import main, per_update_rows, replay_order
+
+    assert replay_order(3, 1) == [0, 0, 1, 2]
+    assert replay_order(2, 3) == [0, 0, 1, 0, 1, 0, 1]
+    run = dict(total=4.5, system=0.11, faults=29)
+    results = {r: {"runs": [dict(run, batch=b, start=10.0 + b, end=14.5 + b, faults=29 + r) for b in (0, 1)]}
+               for r in (0, 1)}
+    rows = per_update_rows(results, {0: [450e9, 900e9], 1: [225e9, 450e9]})  # a stage's FLOPs per batch
+    assert len(rows) == 4 and rows[0].count("rank ") == 2
+    assert rows[2] == "| 1 | 0 | 4.50, 100, 0.11, 29 | 4.50, 50, 0.11, 30 | 10.00, 14.50 |"
+    assert rows[3] == "| 2 | 1 | 4.50, 200, 0.11, 29 | 4.50, 100, 0.11, 30 | 11.00, 15.50 |"
+    with pytest.raises(SystemExit):
+        main(["yaml_configs/smollm2_math_cpu.yaml", "--rounds", "0"])
+    assert "--rounds=0 must be >= 1" in capsys.readouterr().err
