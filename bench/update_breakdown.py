@@ -29,8 +29,8 @@ docs/cpu-profile.md, "Host memory", has what each costs.
 ``--rounds K`` replays the kept batches K times over after the warm-up (the medians then over all
 K x ``--steps`` updates): whether an update's cost depends on the batch or on what the updates before
 it left in the heap. ``--per-update`` adds a row per replayed update: its batch, and in each rank its
-time, FLOP rate, system CPU and minor page faults, and its start and end on CLOCK_MONOTONIC (the clock
-of ``perf report --time``, to look at one update of a ``perf record`` taken over the replay).
+time, FLOP rate, system CPU and minor page faults, and its start and end on CLOCK_MONOTONIC (to look at one update of a
+``perf record -k CLOCK_MONOTONIC`` taken over the replay: ``perf report --time START,END``).
 
 ``--profile`` also writes torch.profiler's op table of each rank's last update to
 ``<trainer.run_dir>-breakdown/profile_rank<r>.txt``.
