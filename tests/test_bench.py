@@ -218,3 +218,22 @@ def test_update_breakdown_rounds_replay_every_kept_batch_after_one_warm_up(capsy
     with pytest.raises(SystemExit):
         main(["yaml_configs/smollm2_math_cpu.yaml", "--rounds", "0"])
     assert "--rounds=0 must be >= 1" in capsys.readouterr().err
+
+
+def test_first_touch_table_rates_each_size_and_compares_the_two_writes():
+    from bench.first_touch import table
+
+    rows = {"4 KB pages": [{"mb": 128, "fresh_s": 0.064, "resident_s": 0.008, "sys_s": 0.1, "faults": 32768}],
+            "huge pages": [{"mb": 256, "fresh_s": 3.072, "resident_s": 0.016, "sys_s": 4.5, "faults": 640}]}
+    lines = table(rows).splitlines()
+    assert lines[2] == "| 4 KB pages | 128 | 0.064 | 0.50 | 0.10 | 32,768 | 0.008 | 8 |"
+    assert lines[3] == "| huge pages | 256 | 3.072 | 12.00 | 4.50 | 640 | 0.016 | 192 |"
+
+
+@pytest.mark.parametrize("sizes", ["x", "0", "128,"])
+def test_first_touch_refuses_sizes_that_are_not_whole_megabytes(sizes, capsys):
+    from bench.first_touch import main
+
+    with pytest.raises(SystemExit):
+        main(["--mb", sizes])
+    assert "--mb: expected" in capsys.readouterr().err
