@@ -91,9 +91,11 @@ def main(argv: list[str] | None = None) -> None:
     for mode, thp in MODES.items():
         env = {**os.environ, "THP_MEM_ALLOC_ENABLE": thp,
                "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
-        out = subprocess.run([sys.executable, "-m", "bench.first_touch", "--child", "--mb", args.mb], cwd=root,
-                             env=env, capture_output=True, text=True, check=True).stdout
-        results[mode] = json.loads(out.strip().splitlines()[-1])
+        proc = subprocess.run([sys.executable, "-m", "bench.first_touch", "--child", "--mb", args.mb], cwd=root,
+                              env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.exit(f"bench.first_touch: the {mode} process exited with {proc.returncode}:\n{proc.stderr[-3000:]}")
+        results[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
     for name, path in SETTINGS.items():
         print(f"{name}: {read_setting(path)} ({path})")
     print()
