@@ -30,6 +30,7 @@ from rlcore import worker_logs
 from rlcore.batch import Batch
 from rlcore.lr_schedule import LRSchedule, resolve as resolve_lr_schedule
 from rlcore.roles import RoleSpec
+from rlcore.startup import collector_paused
 
 from .heads import HEADS
 from .host_malloc import check_host_hugepages, use_host_malloc
@@ -201,9 +202,19 @@ class MegatronEngine:
         optimizer), then the colocated roles' models under the same parallel state. Returns this
         rank's coordinates."""
         # What is imported so far (torch, Ray: ~400k objects) lives as long as the process: frozen,
-        # the full collections that importing megatron-core and building the model trigger walk only
-        # the objects created since (0.8-0.9 CPU-s of collections per rank's start-up otherwise).
+        # the one collection after the set-up below walks only the objects created since.
         gc.freeze()
+        # megatron-core's imports and the model's build with automatic collections off: each would walk
+        # everything imported since the freeze and find nothing to free (rlcore/startup.py).
+        with collector_paused():
+            self._set_up(master_addr, master_port)
+        threads = self.math_threads()
+        hosting = "".join(f" (and the {name}'s model)" for name in self.colocated)
+        print(f"{self.role} rank {self.rank}{hosting}: {threads} math threads (RoleSpec.threads={self.spec.threads})",
+              flush=True)
+        return {**self.coords(), "math_threads": threads}
+
+    def _set_up(self, master_addr: str, master_port: int) -> None:
         backend = self._select_device()
 
         import torch.distributed as dist
@@ -228,11 +239,6 @@ class MegatronEngine:
             hosted.device = self.device
             hosted._build()
             self.colocated[spec.name] = hosted
-        threads = self.math_threads()
-        hosting = "".join(f" (and the {name}'s model)" for name in self.colocated)
-        print(f"{self.role} rank {self.rank}{hosting}: {threads} math threads (RoleSpec.threads={self.spec.threads})",
-              flush=True)
-        return {**self.coords(), "math_threads": threads}
 
     def _build(self) -> None:
         """This role's model stage from its HF checkpoint under the parallel state already set up, and

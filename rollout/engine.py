@@ -25,6 +25,7 @@ import time
 from rlcore import worker_logs
 from rlcore.batch import Trajectory
 from rlcore.config import RolloutConfig
+from rlcore.startup import collector_paused
 from rlcore.weight_sync import Bucket, StageLink
 
 PROFILES = ("cpu", "gpu")
@@ -83,10 +84,11 @@ class VLLMEngine:
         self._prefix_cache_stale = False
         self._requests = 0  # request ids: unique over the engine's life
         self._hold: dict | None = None  # hold_after_steps (tests)
-        gc.freeze()  # what is imported so far lives as long as the process (see the freeze before LLM)
+        gc.freeze()  # what is imported so far lives as long as the process (see the comment before LLM)
         # Must be set before vLLM is imported: the engine core in this process, not a child.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         kwargs: dict = {}
+        no_compile = False
         if threads < 1:
             raise ValueError(f"threads={threads} must be >= 1")
         if profile == "cpu":
@@ -106,21 +108,16 @@ class VLLMEngine:
                 # `batched_count_greater_than`), compiled by inductor at the first generate: 2.6 s
                 # per engine start with the compiled kernel already cached, a C++ build without.
                 # Run eagerly it returns the same tokens, log-probs and ranks (compared to the bit on
-                # the tiny model); the env var reaches the tp worker processes too.
-                import torch._dynamo
-
+                # the tiny model); the env var reaches the tp worker processes too (and this process's
+                # torch._dynamo, which vLLM's import below imports).
                 os.environ["TORCH_COMPILE_DISABLE"] = "1"
-                torch._dynamo.config.disable = True
+                no_compile = True
             # Its share of the cores (launch/compose.py): more threads than cores in all fell 3-10x
             # behind whenever another process held a core. The tp workers inherit it unless bound.
             os.environ["OMP_NUM_THREADS"] = str(threads)
             # Read by rollout.worker_extension at import, in this process and in vLLM's TP worker
             # processes (they inherit the environment), before the model is loaded.
             os.environ[PLAIN_GEMM_ENV] = "0" if cfg.cpu_prepack else "1"
-            if not cfg.cpu_prepack:
-                from .worker_extension import use_plain_cpu_gemm
-
-                use_plain_cpu_gemm()  # explicit for this process too, whatever was imported before
             import torch
 
             torch.set_num_threads(threads)
@@ -137,8 +134,16 @@ class VLLMEngine:
                 os.environ["VLLM_RAY_BUNDLE_INDICES"] = ",".join(map(str, ray_bundle_indices))
                 kwargs["distributed_executor_backend"] = "ray"
 
-        from vllm import LLM
-        from vllm.platforms import current_platform
+        with collector_paused():  # rlcore/startup.py: ~2 CPU-s less of this import
+            import torch._dynamo
+            from vllm import LLM
+            from vllm.platforms import current_platform
+            if profile == "cpu" and not cfg.cpu_prepack:
+                from .worker_extension import use_plain_cpu_gemm
+
+                use_plain_cpu_gemm()  # explicit for this process too, whatever was imported before
+        if no_compile:  # read from the env var when torch._dynamo is imported: here, in case that was earlier
+            torch._dynamo.config.disable = True
 
         worker_logs.to_console(console, "vllm", "ray")  # loggers of their own (propagate=False): filtered too
 
@@ -155,12 +160,11 @@ class VLLMEngine:
             # sync between two step() calls would then land inside a step, under the wrong version.
             kwargs["async_scheduling"] = False
         # vLLM's start-up runs gc.collect() 4-6 times (model load, KV-cache profiling, its own heap
-        # freeze); each one walks every object imported so far (~640k: torch, vLLM, transformers,
-        # Ray), 0.3-0.5 s apiece on one CPU core. Freezing that long-lived heap first makes each
-        # collection walk only what the start-up itself creates (a tiny-model engine: 1.6-2.2 s
-        # instead of 3.1-3.3 s). Garbage still goes by reference counting; vLLM freezes its own heap
-        # after start-up the same way.
-        gc.freeze()
+        # freeze); each one would walk every object imported so far (~640k: torch, vLLM, transformers,
+        # Ray), 0.3-0.5 s apiece on one CPU core. The block above ended by freezing that long-lived
+        # heap, so each collection walks only what the start-up itself creates (a tiny-model engine:
+        # 1.6-2.2 s instead of 3.1-3.3 s). Garbage still goes by reference counting; vLLM freezes its
+        # own heap after start-up the same way.
         self.llm = LLM(
             model=model_path, dtype=dtype, tensor_parallel_size=cfg.tp, enforce_eager=cfg.enforce_eager,
             # Distinct per engine: the same seed everywhere would make engines draw identical samples.
