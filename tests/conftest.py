@@ -38,16 +38,32 @@ def pytest_unconfigure(config):
     exit_without_teardown(int(session.exitstatus))
 
 
-# The logical GPUs of the in-process cluster: at least the most that one module's pools hold at once
-# (tests/test_layout_matrix.py: 9).
+# The logical GPUs of the in-process cluster: at least the shared rollout layouts' 5
+# (tests/rollout_layouts.py) and the most that one module's pools hold at once besides
+# (tests/test_layout_matrix.py: 4).
 SHARED_RAY_GPUS = 12
 
 
 class _SharedRay:
-    """Whether this process's Ray cluster was started by ``ray_pools`` (and so is ours to stop), and
-    the modules that use that fixture."""
+    """Whether this process's Ray cluster was started here (and so is ours to stop), how many times it
+    was (what was placed on an earlier one is gone), the modules that use ``ray_pools`` and those that
+    use ``rollout_layouts``, and those layouts' pools once started: (the cluster's start count, pools,
+    their ResourcePools)."""
     started = False
+    starts = 0
     modules: set = set()
+    layout_modules: set = set()
+    rollout_layouts: tuple | None = None
+
+
+def _shared_cluster() -> None:
+    """Starts this process's Ray cluster (SHARED_RAY_GPUS logical GPUs, 2 CPUs) if it is not up."""
+    import ray
+
+    if not ray.is_initialized():
+        start_ray("cpu", total_gpus=SHARED_RAY_GPUS, num_cpus=2)
+        _SharedRay.started = True
+        _SharedRay.starts += 1
 
 
 def _stop_shared_ray() -> None:
@@ -56,8 +72,9 @@ def _stop_shared_ray() -> None:
     import ray
 
     if ray.is_initialized():
-        ray.shutdown()
+        ray.shutdown()  # the shared rollout layouts' engines with it
     _SharedRay.started = False
+    _SharedRay.rollout_layouts = None
 
 
 def _module(item) -> str:
@@ -66,15 +83,21 @@ def _module(item) -> str:
 
 def pytest_collection_modifyitems(session, config, items):
     """The modules that use ``ray_pools`` run one after the other, where the first of them was
-    (each module's tests in their own order, every other module in its place): they share one Ray
-    cluster, started once instead of once per module (~4 s to start and ~1.5 s to stop each time, on
-    top of the CPU its helper processes take on a 2-core machine)."""
+    (each module's tests in their own order, every other module in its place; those that use
+    ``rollout_layouts`` last): they share one Ray cluster, started once instead of once per module
+    (~4 s to start and ~1.5 s to stop each time, on top of the CPU its helper processes take on a
+    2-core machine)."""
     ray_modules = {_module(item) for item in items if "ray_pools" in getattr(item, "fixturenames", ())}
     _SharedRay.modules = ray_modules
+    _SharedRay.layout_modules = {_module(item) for item in items
+                                 if "rollout_layouts" in getattr(item, "fixturenames", ())}
     if not ray_modules:
         return
     first = next(i for i, item in enumerate(items) if _module(item) in ray_modules)
-    grouped = [item for item in items if _module(item) in ray_modules]
+    # Those that use the shared rollout layouts last, next to each other: their engines stay up from the
+    # first of them to the end of the group, and are idle in between only while those modules run.
+    grouped = sorted((item for item in items if _module(item) in ray_modules),
+                     key=lambda item: _module(item) in _SharedRay.layout_modules)
     rest = [item for item in items if _module(item) not in ray_modules]
     items[:] = rest[:first] + grouped + rest[first:]
 
@@ -105,8 +128,7 @@ def ray_pools():
                              f"Ray cluster: raise SHARED_RAY_GPUS in tests/conftest.py")
         if not ray.is_initialized():
             made.clear()  # pools of a cluster a test stopped: gone with it
-            start_ray("cpu", total_gpus=SHARED_RAY_GPUS, num_cpus=2)
-            _SharedRay.started = True
+            _shared_cluster()
         made.append(ResourcePools(pools, role_pools))
         return made[-1]
 
@@ -114,6 +136,25 @@ def ray_pools():
     if ray.is_initialized():  # a test may have stopped Ray itself: its pools went with it
         for pools in made:
             pools.shutdown()
+
+
+@pytest.fixture(scope="module")
+def rollout_layouts(ray_pools, tmp_path_factory):
+    """{name: RolloutPool} of tests/rollout_layouts.py's ROLLOUT_LAYOUTS on this process's Ray cluster,
+    started by the first module that asks and kept for the next (pytest_collection_modifyitems runs
+    them one after the other, last of the ``ray_pools`` modules) until the cluster stops. Started again
+    if a test stopped the cluster in between. The pools' placement groups are their own, not a
+    module's. Each test syncs the weights it checks into the engines first."""
+    from tests.rollout_layouts import ROLLOUT_LAYOUTS, start_rollout_layouts
+
+    _shared_cluster()
+    if _SharedRay.rollout_layouts is None or _SharedRay.rollout_layouts[0] != _SharedRay.starts:
+        placements = ResourcePools({name: engines * tp for name, (engines, tp, _) in ROLLOUT_LAYOUTS.items()},
+                                   {name: name for name in ROLLOUT_LAYOUTS})
+        root = str(tmp_path_factory.mktemp("rollout-layouts") / "start")
+        _SharedRay.rollout_layouts = (_SharedRay.starts, start_rollout_layouts(root, placements.placement),
+                                      placements)
+    return _SharedRay.rollout_layouts[1]
 
 
 @pytest.fixture(scope="session")

