@@ -175,6 +175,12 @@ class MegatronEngine:
         # output at the first call, about a call that is not ours.
         warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` "
                                                   r"is deprecated", category=FutureWarning)
+        # Loading a torch_dist checkpoint (every resume), megatron-core's strategy calls torch's
+        # deprecated `load_state_dict` on ShardedTensors: two FutureWarnings per rank on the console of
+        # every resumed run, about calls that are not ours either.
+        warnings.filterwarnings("ignore", message=r"(`load_state_dict` is deprecated and will be removed|Please use "
+                                                  r"DTensor instead and we are deprecating ShardedTensor)",
+                                category=FutureWarning)
         if self.profile == "cpu":
             if torch.cuda.is_available():
                 raise RuntimeError("the cpu profile needs a CPU-only torch process, but CUDA is available "

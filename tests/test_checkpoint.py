@@ -160,6 +160,8 @@ def test_sigkill_mid_step_then_resume_auto_reproduces_the_run(interrupted_run, r
     resumed = run.resumed
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-6000:]
     assert f"checkpoint: resumed from {run.run_dir / 'checkpoints' / f'step_{saved:08d}'}" in resumed.stdout
+    # A resume keeps the console quiet too: the ranks' checkpoint loading warns about nothing of ours.
+    assert "Warning" not in resumed.stdout + resumed.stderr, (resumed.stdout + resumed.stderr)[-3000:]
     got, want = step_metrics(run.run_dir), step_metrics(reference_run.run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
