@@ -5,8 +5,9 @@ process (modules, classes, functions). Each allocation burst past the collector'
 collection, and every few of them one of the older generations: walks over everything created so far
 that find nothing to free. Measured on a 2-core box (2026-12-08), with torch and Ray already imported
 and frozen: ``import vllm.entrypoints.llm`` took 8.8-9.0 CPU-s with the collector on and 6.4-7.3 off;
-megatron-core's model, optimizer, DDP and pipeline modules 5.0 against 3.4-3.9. Each role process pays
-that once at start-up, on every job start and every engine restart.
+megatron-core's model, optimizer, DDP and pipeline modules (a plain import, torch's dynamo with it)
+5.0 against 3.4-3.9. Each role process pays that once at start-up, on every job start and every engine
+restart.
 """
 from __future__ import annotations
 

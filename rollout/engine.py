@@ -134,7 +134,7 @@ class VLLMEngine:
                 os.environ["VLLM_RAY_BUNDLE_INDICES"] = ",".join(map(str, ray_bundle_indices))
                 kwargs["distributed_executor_backend"] = "ray"
 
-        with collector_paused():  # rlcore/startup.py: ~2 CPU-s less of this import
+        with collector_paused():  # rlcore/startup.py: this import 1.7-2.4 CPU-s shorter (docs/cpu-profile.md)
             import torch._dynamo
             from vllm import LLM
             from vllm.platforms import current_platform
