@@ -10,8 +10,8 @@ cluster, so that it starts no Ray and no engine of its own).
 
 The untied and TP2 cases sync into the session's shared rollout layouts (tests/rollout_layouts.py,
 also tests/test_layout_matrix.py's), their first model sent in by the same path; the tied case has
-an engine of its own, started on its first model (a tied model's engine has no lm_head weight of its
-own to load)."""
+an engine of its own, started on its first model (the shared engines run an untied model, and a tied
+model's weights hold no lm_head to send them)."""
 from __future__ import annotations
 
 import re
