@@ -144,7 +144,8 @@ def rollout_layouts(ray_pools, tmp_path_factory):
     started by the first module that asks and kept for the next (pytest_collection_modifyitems runs
     them one after the other, last of the ``ray_pools`` modules) until the cluster stops. Started again
     if a test stopped the cluster in between. The pools' placement groups are their own, not a
-    module's. Each test syncs the weights it checks into the engines first."""
+    module's. Each test syncs the weights it checks into the engines first. (``ray_pools`` is asked for
+    so that the module is one of the shared-cluster group: pytest_collection_modifyitems.)"""
     from tests.rollout_layouts import ROLLOUT_LAYOUTS, start_rollout_layouts
 
     _shared_cluster()
