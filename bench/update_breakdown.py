@@ -33,7 +33,9 @@ time, FLOP rate, system CPU and minor page faults, and its start and end on CLOC
 ``perf record -k CLOCK_MONOTONIC`` taken over the replay: ``perf report --time START,END``).
 
 ``--profile`` also writes torch.profiler's op table of each rank's last update to
-``<trainer.run_dir>-breakdown/profile_rank<r>.txt``.
+``<trainer.run_dir>-breakdown/profile_rank<r>.txt``, and the same ops split by input shape (which GEMM
+is slow) to ``profile_rank<r>_shapes.txt``. With ``--rounds 2`` or more the last update is a batch's
+second replay, past the heap's growth (the first replay of the largest batch faults its pages in).
 
 ``--batches FILE`` keeps the collected batches in FILE (torch.save), and when FILE exists replays
 its first ``--steps`` batches instead of running the job: the same updates, replayed by two checkouts
@@ -177,7 +179,7 @@ def _run_rank(rank: int, spec, port: int, kept: list, rounds: int, profile_dir: 
         table.clear()
         profiler = None
         if profile_dir and i == len(order) - 1:
-            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
             profiler.__enter__()
         usage0, start, t0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic(), time.perf_counter()
         engine.update(shard, loss_cfg, head_args)
@@ -190,6 +192,9 @@ def _run_rank(rank: int, spec, port: int, kept: list, rounds: int, profile_dir: 
             profiler.__exit__(None, None, None)
             with open(os.path.join(profile_dir, f"profile_rank{rank}.txt"), "w") as f:
                 f.write(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+            with open(os.path.join(profile_dir, f"profile_rank{rank}_shapes.txt"), "w") as f:
+                f.write(profiler.key_averages(group_by_input_shape=True).table(
+                    sort_by="self_cpu_time_total", row_limit=60, max_name_column_width=30, max_shapes_column_width=90))
         if i > 0:
             runs.append(dict(table, batch=b, start=start, end=start + total, total=total,
                              user=usage.ru_utime - usage0.ru_utime, system=usage.ru_stime - usage0.ru_stime,
@@ -283,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="replay the kept batches this many times over after the warm-up (default 1)")
     p.add_argument("--per-update", action="store_true",
                    help="a row per replayed update: batch, time, system CPU, page faults, start and end")
-    p.add_argument("--profile", action="store_true", help="torch.profiler op tables of the last update")
+    p.add_argument("--profile", action="store_true", help="torch.profiler op tables of the last update (by op, and by op and input shape)")
     p.add_argument("--malloc", default=None,
                    help="comma-separated allocator modes to replay under, one after the other: glibc (its "
                         "defaults), keep, keep-trim (module docstring); default: the spec's resources.host_malloc")
