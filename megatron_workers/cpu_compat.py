@@ -328,11 +328,14 @@ class CpuWgradAccumulation:
     once a micro-batch holds more tokens than one of the GEMM's blocks (~190 on the development
     machine). So the product is formed a slab of output rows at a time (every element summed over all
     tokens by the same GEMM) and each slab added once: equal to the unfused path to the bit
-    (tests/test_megatron_cpu_compat.py), with a slab (~1 MB, cache-resident) in place of the whole
-    weight gradient (113 MB for SmolLM2's tied head, fresh pages from the kernel on every micro-batch).
+    (tests/test_megatron_cpu_compat.py), with a slab (4 MiB, reused by the allocator) in place of the
+    whole weight gradient (113 MB for SmolLM2's tied head, fresh pages from the kernel on every
+    micro-batch). 4 MiB rather than 1: 1 MiB slabs (455 rows of a 576-wide layer) multiplied at
+    0.83-0.92 of the rate of 4 MiB ones on SmolLM2's shapes at two threads, and the update was ~5%
+    shorter (docs/cpu-profile.md, "Weight gradients straight into the DDP buffer").
     """
 
-    SLAB_ELEMENTS = 1 << 18  # floats per slab: 1 MiB in fp32
+    SLAB_ELEMENTS = 1 << 20  # floats per slab: 4 MiB in fp32
 
     @staticmethod
     def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor,

@@ -81,18 +81,23 @@ CHECKS = textwrap.dedent("""
         pass
     # Gradient accumulation fusion: megatron's linear layers take the CPU stand-in for apex's kernel,
     # whose accumulation equals the unfused gradient-then-add to the bit, also past one GEMM block of
-    # tokens (~190 here) and across slabs (49152 rows: SmolLM2's tied head).
+    # tokens (~190 here) and across slabs (SmolLM2's MLP and tied head: 2 and 27 slabs), at one thread
+    # and at the two a SmolLM2 rank runs with.
     from megatron.core.tensor_parallel import layers
     from megatron_workers.cpu_compat import CpuWgradAccumulation
     assert layers._grad_accum_fusion_available and layers.fused_weight_gradient_mlp_cuda is CpuWgradAccumulation
     g = torch.Generator().manual_seed(0)
-    for tokens, out_features, in_features in ((37, 40, 24), (300, 1536, 576), (1000, 49152, 64)):
-        inp = torch.randn(tokens, in_features, generator=g)
-        out = torch.randn(tokens, out_features, generator=g)
-        main_grad = torch.randn(out_features, in_features, generator=g)
-        expected = main_grad + out.t().matmul(inp)
-        CpuWgradAccumulation.wgrad_gemm_accum_fp32(inp, out, main_grad)
-        assert torch.equal(main_grad, expected), (tokens, (main_grad - expected).abs().max())
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for tokens, out_features, in_features in ((37, 40, 24), (300, 1536, 576), (692, 3072, 576),
+                                                  (447, 49152, 576), (1000, 49152, 64)):
+            inp = torch.randn(tokens, in_features, generator=g)
+            out = torch.randn(tokens, out_features, generator=g)
+            main_grad = torch.randn(out_features, in_features, generator=g)
+            expected = main_grad + out.t().matmul(inp)
+            CpuWgradAccumulation.wgrad_gemm_accum_fp32(inp, out, main_grad)
+            assert torch.equal(main_grad, expected), (threads, tokens, (main_grad - expected).abs().max())
+    torch.set_num_threads(1)
     try:
         CpuWgradAccumulation.wgrad_gemm_accum_fp16(inp, out, main_grad.bfloat16())
         raise SystemExit("a bf16 main gradient must be refused on the cpu profile")
