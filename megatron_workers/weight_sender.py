@@ -9,6 +9,9 @@ write and how is the transport's business: the sender offers it the stage's weig
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
+
+import torch
 
 from rlcore.weight_sync import StageLink, create_writer, open_writer, plan_buckets
 
@@ -26,6 +29,7 @@ class StageWeightSender:
         self.rank, self.tp_rank = coords["rank"], coords["tp_rank"]
         self.pp_rank, self.dp_rank = coords["pp_rank"], coords["dp_rank"]
         self.backend = "nccl" if profile == "gpu" else "gloo"
+        self.pack_threads = None if profile == "gpu" else 1  # see send_weights
         self.plan = self._plan_key = None
         self.writer = None  # this rank's StageWriter for the current link
 
@@ -90,9 +94,31 @@ class StageWeightSender:
             return None
         if self.writer is None or not self.writer.joined:
             raise RuntimeError("weight sync is not set up: call weight_sync_plan() and init_weight_sync()")
-        stats = self.writer.send(self, with_checksums)
+        with math_threads(self.pack_threads):
+            stats = self.writer.send(self, with_checksums)
         if not self.is_stage_sender:
             return None
         stats["pp_rank"] = self.pp_rank
         stats["transport"] = self.writer.link.transport
         return stats
+
+
+@contextmanager
+def math_threads(n: int | None):
+    """torch's intra-op threads set to ``n`` for the block (None: left as they are).
+
+    The cpu profile packs a sync's buckets with one thread. The sync is bound by the engine's reload,
+    which runs on the same cores at the same time (the sender waits for free slots most of the sync),
+    and a second copying thread only contends with it: on the SmolLM2 spec (2 cores, one actor rank
+    with both, 32 MB buckets) the sync took 0.84 and 0.89 s against 1.05 and 1.20 s with the rank's two
+    threads, its packing 0.21-0.23 s against 0.42-0.45 s (docs/cpu-profile.md, "Where a reload's time
+    goes"). A copy is the same at any thread count."""
+    if n is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

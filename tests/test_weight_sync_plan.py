@@ -140,3 +140,30 @@ def test_the_checksum_is_the_positional_sum_however_the_tensor_is_chunked(monkey
     swapped = x.clone().reshape(-1)
     swapped[[3, 300]] = swapped[[300, 3]]
     assert checks.checksum([("w", swapped.reshape(37, 11))])["w"] != pytest.approx(got, rel=1e-9)
+
+
+def test_the_cpu_profile_packs_a_sync_with_one_thread_and_gives_the_rank_its_threads_back():
+    from types import SimpleNamespace
+
+    from megatron_workers.weight_sender import StageWeightSender
+
+    seen = []
+
+    class Writer:
+        joined, link = True, SimpleNamespace(transport="shm")
+
+        def send(self, source, with_checksums):
+            seen.append(torch.get_num_threads())
+            return {"bytes": 0}
+
+    coords = {"rank": 0, "tp_rank": 0, "pp_rank": 0, "dp_rank": 0}
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for profile, threads_while_packing in (("cpu", 1), ("gpu", 2)):
+            sender = StageWeightSender([], None, coords, 1, profile, "cpu", lambda: ("127.0.0.1", 0))
+            sender.writer = Writer()
+            assert sender.send_weights()["transport"] == "shm"
+            assert seen[-1] == threads_while_packing and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
