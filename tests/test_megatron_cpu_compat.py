@@ -81,7 +81,7 @@ CHECKS = textwrap.dedent("""
         pass
     # Gradient accumulation fusion: megatron's linear layers take the CPU stand-in for apex's kernel,
     # whose accumulation equals the unfused gradient-then-add to the bit, also past one GEMM block of
-    # tokens (~190 here) and across slabs (SmolLM2's MLP and tied head: 2 and 27 slabs), at one thread
+    # tokens (~190 here) and across slabs (SmolLM2's MLP and tied head: 2 and 28 slabs), at one thread
     # and at the two a SmolLM2 rank runs with.
     from megatron.core.tensor_parallel import layers
     from megatron_workers.cpu_compat import CpuWgradAccumulation
